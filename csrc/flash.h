@@ -1,0 +1,89 @@
+// hf_flash: the one parameter struct every kernel reads. Torch-free on purpose:
+// kernels compile with bare nvcc; csrc/binding.cpp fills these from tensors.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace hf_flash {
+
+// Tensor layout (all strides in elements, last dim contiguous):
+//   dense : q (b, seqlen_q, h, d), k/v (b, seqlen_k, h_k, d), o like q
+//   varlen: q (total_q, h, d), k/v (total_k, h_k, d); batch b spans rows
+//           [cu_seqlens_q[b], cu_seqlens_q[b+1]) (batch_stride unused)
+// d is one of the compiled head dims {32, 64, 96, 128, 192, 256}; the Python
+// layer zero-pads other sizes, so kernels never predicate along d.
+struct FwdParams {
+  const void* __restrict__ q;
+  const void* __restrict__ k;
+  const void* __restrict__ v;
+  void* __restrict__ o;
+  float* __restrict__ lse;  // natural-log LSE; +inf for fully masked rows
+
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  // dense: lse[b*lse_batch_stride + h*lse_head_stride + i]
+  // varlen: lse[h*lse_head_stride + cu_seqlens_q[b] + i]   (FA2 layout (h, total_q))
+  int64_t lse_batch_stride, lse_head_stride;
+
+  int b, h, h_k, d;
+  int seqlen_q, seqlen_k;  // dense lengths; varlen: max_seqlen_q / max_seqlen_k
+  int total_q;             // rows of q (b*seqlen_q when dense)
+
+  const int* __restrict__ cu_seqlens_q;  // (b+1) int32 or nullptr (dense)
+  const int* __restrict__ cu_seqlens_k;  // (b+1) int32 or nullptr (dense)
+  const int* __restrict__ seqused_k;     // (b) valid keys per row of a KV cache, or nullptr
+
+  float softmax_scale;       // applied to q.k before softcap
+  float softmax_scale_log2;  // softmax_scale * log2(e), or log2(e) when softcap > 0
+  float softcap;             // 0 = off; else s = softcap * tanh(s * softmax_scale / softcap)
+
+  // Key j is visible to query i (both within their sequence) iff
+  //   j >= i + seqlen_k - seqlen_q - window_left   (when window_left  >= 0)
+  //   j <= i + seqlen_k - seqlen_q + window_right  (when window_right >= 0)
+  // causal == (window_right == 0) with bottom-right alignment; -1 = unbounded.
+  int window_left, window_right;
+  bool is_causal;
+
+  // ALiBi: s += -slope[h] * |i + seqlen_k - seqlen_q - j|; slopes fp32 (h) or (b, h).
+  const float* __restrict__ alibi_slopes;
+  int64_t alibi_batch_stride;  // 0 for (h,) slopes
+
+  // Dropout on P (after softmax), kept values scaled by 1/(1-p). The mask for
+  // element (batch, head, i, j) comes from Philox4x32-10 with
+  //   key     = (seed_lo, seed_hi)            seed   = rng_state[0]
+  //   counter = (j >> 2, i, batch*h + head, offset_lo)  offset = rng_state[1]
+  // taking output word (j & 3); the element is dropped iff word < dropout_threshold.
+  float p_dropout;                 // probability of dropping; 0 = off
+  float rp_dropout;                // 1 / (1 - p_dropout)
+  uint32_t dropout_threshold;      // p_dropout * 2^32, saturated
+  const int64_t* __restrict__ rng_state;  // device (2,) int64, nullptr when p_dropout == 0
+
+  bool is_bf16;       // else fp16
+  int num_sms;        // of the current device, for split / persistent heuristics
+};
+
+struct BwdParams : FwdParams {
+  const void* __restrict__ dout;  // like o
+  void* __restrict__ dq;          // like q
+  void* __restrict__ dk;          // like k but with h heads' sums folded into h_k (GQA)
+  void* __restrict__ dv;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+
+  // Workspace owned by the caller (sizes from bwd_workspace_bytes()).
+  void* workspace;
+  bool deterministic;  // bitwise-reproducible dq/dk/dv
+};
+
+// Entry points, one per kernel family. They validate nothing (the binding did),
+// dispatch on (dtype, d) to the generated instantiations, and return the CUDA
+// launch status.
+cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
+size_t bwd_workspace_bytes(const BwdParams& params);
+cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream);
+
+}  // namespace hf_flash

@@ -1,0 +1,10 @@
+"""hf_flash: FlashAttention-2 CUDA kernels as a transformers attention backend.
+
+    import hf_flash
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_flash")
+"""
+
+from .interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+__version__ = "0.1.0"
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "__version__"]

@@ -1,0 +1,197 @@
+"""Public functional API, with flash-attn 2's signatures and semantics.
+
+* ``(B, S, H, D)`` tensors; GQA/MQA by passing fewer key/value heads.
+* ``causal`` aligns the mask to the bottom-right corner when ``seqlen_q != seqlen_k``.
+* ``window_size=(left, right)``, ``-1`` = unbounded; ``softcap`` > 0 applies
+  ``softcap * tanh(s / softcap)`` to the scaled scores.
+* Rows with no visible key return 0 (and LSE = +inf, so their gradients are 0).
+
+Parameters are explicit (no ``*args``): transformers inspects these signatures
+to decide which features to pass.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+MAX_HEAD_DIM = 256
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_tensor(name: str, t, dims: int) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if t.dim() != dims:
+        layout = "(batch, seqlen, heads, head_dim)" if dims == 4 else "(total_tokens, heads, head_dim)"
+        raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+
+
+def _check_qkv(q, k, v, dims: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, dims)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    d = q.shape[-1]
+    if d > MAX_HEAD_DIM or d < 1:
+        raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {d}")
+    if k.shape[-1] != d or v.shape[-1] != d:
+        raise ValueError(f"q, k, v head dims must match, got {d}, {k.shape[-1]}, {v.shape[-1]}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    h, hk = q.shape[-2], k.shape[-2]
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"number of query heads ({h}) must be a multiple of key/value heads ({hk})")
+
+
+def _check_options(q, dropout_p, window_size, softcap, alibi_slopes, batch: int) -> tuple[int, int]:
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
+        raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
+    wl, wr = (int(w) for w in window_size)
+    if wl < -1 or wr < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0, got {softcap}")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, Tensor) or alibi_slopes.dtype != torch.float32:
+            raise TypeError("alibi_slopes must be a float32 tensor of shape (heads,) or (batch, heads)")
+        h = q.shape[-2]
+        if tuple(alibi_slopes.shape) not in ((h,), (batch, h)):
+            raise ValueError(f"alibi_slopes must have shape ({h},) or ({batch}, {h}), got {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes must be on {q.device}, got {alibi_slopes.device}")
+    return wl, wr
+
+
+def _check_cu_seqlens(name: str, cu, total: int, device) -> None:
+    if not isinstance(cu, Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        raise TypeError(f"{name} must be a 1-D int32 tensor of batch+1 offsets")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on {device}, got {cu.device}")
+    if not torch.compiler.is_compiling() and cu.device.type == "cpu":
+        # Cheap on CPU; on GPU this check would sync, so the kernels guard bounds instead.
+        if int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"{name} must start at 0, be non-decreasing and end at {total}, got {cu.tolist()}")
+
+
+def _rng_state(q: Tensor, dropout_p: float) -> Optional[Tensor]:
+    """Philox (seed, offset) drawn from torch's generator: reproducible under
+    torch.manual_seed, graph-capturable, and saved for the backward."""
+    if dropout_p == 0.0:
+        return None
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=q.device)
+
+
+def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
+    return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def _run(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, dropout_p, softmax_scale, causal, window, softcap,
+         alibi_slopes, deterministic, return_attn_probs):
+    out, lse = ops.fwd(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, _scale(q, softmax_scale), bool(causal),
+                       window[0], window[1], float(softcap), alibi_slopes, float(dropout_p),
+                       _rng_state(q, dropout_p), bool(deterministic))
+    if return_attn_probs:
+        return out, lse, None  # flash-attn's third value (the P matrix) is testing-only; never materialised
+    return out
+
+
+def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
+                    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                    return_attn_probs: bool = False):
+    """Attention on ``(B, S, H, D)`` tensors. With ``return_attn_probs=True``
+    returns ``(out, lse, None)``, lse being float32 ``(B, H, Sq)``."""
+    _check_qkv(q, k, v, 4)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, q.shape[0])
+    return _run(q, k, v, None, None, None, q.shape[1], k.shape[1], dropout_p, softmax_scale, causal, window,
+                softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
+                           return_attn_probs: bool = False, block_table: Optional[Tensor] = None):
+    """Attention on packed ``(total_tokens, H, D)`` tensors; sequence ``b`` is
+    rows ``cu_seqlens[b]:cu_seqlens[b+1]``. LSE is float32 ``(H, total_q)``."""
+    _check_qkv(q, k, v, 3)
+    if block_table is not None:
+        raise ValueError("block_table (paged KV cache) is not supported by hf_flash yet; pass contiguous k/v")
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
+                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, Tensor):
+            value = int(value)
+        if not isinstance(value, int) or value < 0:
+            raise TypeError(f"{name} must be a non-negative int, got {value!r}")
+    window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, cu_seqlens_q.numel() - 1)
+    return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, None, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
+                softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
+                            v: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
+                            rotary_sin: Optional[Tensor] = None, cache_seqlens=None,
+                            cache_batch_idx: Optional[Tensor] = None, cache_leftpad: Optional[Tensor] = None,
+                            block_table: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
+                            causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes: Optional[Tensor] = None,
+                            num_splits: int = 0, return_softmax_lse: bool = False):
+    """Decode/prefill against a KV cache ``(B, S_cache, H_k, D)`` (inference only).
+
+    ``cache_seqlens`` (int or int32 ``(B,)``) gives the valid length of each
+    cache row; new ``k``/``v`` ``(B, S_new, H_k, D)`` are written in place at
+    those positions first, then attention runs over ``cache_seqlens + S_new``
+    keys with bottom-right causal alignment.
+    """
+    _check_qkv(q, k_cache, v_cache, 4)
+    unsupported = {"rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx,
+                   "cache_leftpad": cache_leftpad, "block_table": block_table}
+    for name, value in unsupported.items():
+        if value is not None:
+            raise ValueError(f"flash_attn_with_kvcache: {name} is not supported by hf_flash yet")
+    b, s_cache = k_cache.shape[0], k_cache.shape[1]
+    if k_cache.shape[0] != q.shape[0]:
+        raise ValueError(f"k_cache batch ({k_cache.shape[0]}) must equal q batch ({q.shape[0]})")
+    if cache_seqlens is None:
+        seqlens = torch.full((b,), s_cache if k is None else s_cache - k.shape[1], dtype=torch.int32,
+                             device=q.device)
+    elif isinstance(cache_seqlens, int):
+        seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, Tensor) and cache_seqlens.dim() == 1 and cache_seqlens.numel() == b:
+        seqlens = cache_seqlens.to(device=q.device, dtype=torch.int32)
+    else:
+        raise TypeError(f"cache_seqlens must be an int or an int tensor of shape ({b},)")
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v to append to the cache, or neither")
+    if k is not None:
+        _check_qkv(q, k, v, 4)
+        if k.shape[0] != b or k.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"new k/v {tuple(k.shape)} do not match the cache {tuple(k_cache.shape)}")
+        pos = seqlens[:, None].long() + torch.arange(k.shape[1], device=q.device)  # (B, S_new)
+        rows = torch.arange(b, device=q.device)[:, None].expand_as(pos)
+        k_cache.index_put_((rows, pos), k)  # out-of-range positions raise inside torch
+        v_cache.index_put_((rows, pos), v)
+        seqlens = seqlens + k.shape[1]
+    window = _check_options(q, 0.0, window_size, softcap, alibi_slopes, b)
+    with torch.no_grad():
+        out, lse = ops.fwd(q, k_cache, v_cache, None, None, seqlens, q.shape[1], s_cache, _scale(q, softmax_scale),
+                           bool(causal), window[0], window[1], float(softcap), alibi_slopes, 0.0, None, False)
+    return (out, lse) if return_softmax_lse else out

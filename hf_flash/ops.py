@@ -1,0 +1,162 @@
+"""The hf_flash::fwd / hf_flash::bwd custom ops: dispatch, fake shapes, autograd.
+
+Both ops take one argument list for dense ``(B, S, H, D)`` and varlen
+``(T, H, D)`` inputs. They run the CUDA kernels (``hf_flash::_cuda_fwd`` /
+``_cuda_bwd``, registered by ``csrc/binding.cpp``) when the extension is built,
+the tensors are fp16/bf16 on an sm80+ GPU and the head dim is a compiled one;
+otherwise the PyTorch reference (``hf_flash.reference``). ``backend_for`` says
+which and why. As torch.library custom ops with fake implementations they are
+opaque to ``torch.compile`` (no graph breaks) and safe under CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+logger = logging.getLogger("hf_flash")
+
+KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def extension_status() -> tuple[bool, str]:
+    """(loaded, detail) for the compiled CUDA extension hf_flash._C."""
+    try:
+        from . import _C  # noqa: F401  (loading it registers hf_flash::_cuda_* ops)
+    except ImportError as e:
+        return False, f"CUDA extension not built ({e})"
+    return True, "CUDA extension loaded"
+
+
+def kernel_head_dim(d: int) -> Optional[int]:
+    """Smallest compiled head dim >= d (inputs are zero-padded up to it)."""
+    return next((k for k in KERNEL_HEAD_DIMS if k >= d), None)
+
+
+def backend_for(q: Tensor) -> tuple[str, str]:
+    """("cuda" | "reference", reason) for a query tensor."""
+    if not q.is_cuda:
+        return "reference", f"tensors on {q.device.type}"
+    loaded, detail = extension_status()
+    if not loaded:
+        return "reference", detail
+    if q.dtype not in KERNEL_DTYPES:
+        return "reference", f"{q.dtype} (kernels take float16/bfloat16)"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major < 8:
+        return "reference", f"compute capability {major}.{minor} (kernels need 8.0+)"
+    if kernel_head_dim(q.shape[-1]) is None:
+        return "reference", f"head dim {q.shape[-1]} > {KERNEL_HEAD_DIMS[-1]}"
+    return "cuda", f"CUDA kernels ({q.dtype}, sm{major}{minor})"
+
+
+@functools.lru_cache(maxsize=None)
+def _log_backend_once(backend: str, reason: str) -> None:
+    logger.info("hf_flash: using the %s path: %s", backend, reason)
+
+
+def uses_kernels(q: Tensor) -> bool:
+    backend, reason = backend_for(q)
+    _log_backend_once(backend, reason)
+    return backend == "cuda"
+
+
+def _for_kernel(x):
+    """Q/K/V-like tensors as the kernels take them: a compiled head dim (zero
+    padding does not change q.k or add output columns), last dim contiguous."""
+    if not isinstance(x, Tensor) or x.dim() < 3 or x.dtype not in KERNEL_DTYPES:
+        return x
+    d = x.shape[-1]
+    kd = kernel_head_dim(d)
+    if kd != d:
+        return torch.nn.functional.pad(x, (0, kd - d))
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _lse_shape(q: Tensor, varlen: bool):
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+
+
+@torch.library.custom_op("hf_flash::fwd", mutates_args=())
+def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+        seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+        window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
+        rng_state: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor]:
+    """Attention forward: (out like q, lse float32). ``deterministic`` is for the backward."""
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+            window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
+    if not uses_kernels(q):
+        return reference.fwd(*args)
+    d = q.shape[-1]
+    out, lse = torch.ops.hf_flash._cuda_fwd(*map(_for_kernel, args))
+    return out[..., :d], lse
+
+
+@fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, *rest):
+    return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
+
+
+@torch.library.custom_op("hf_flash::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens_q: Optional[Tensor],
+        cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool,
+        window_left: int, window_right: int, softcap: float, alibi_slopes: Optional[Tensor], dropout_p: float,
+        rng_state: Optional[Tensor], deterministic: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention backward from the saved output and LSE: (dq, dk, dv)."""
+    args = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+            window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
+    if not uses_kernels(q):
+        return reference.bwd(*args)
+    d = q.shape[-1]
+    dq, dk, dv = torch.ops.hf_flash._cuda_bwd(*map(_for_kernel, args), deterministic)
+    return dq[..., :d], dk[..., :d], dv[..., :d]
+
+
+@bwd.register_fake
+def _(dout, q, k, v, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal, wl, wr, softcap, alibi, p, rng, det) = inputs
+    if seqused_k is not None:
+        ctx.mark_non_differentiable(*output)  # KV-cache decode is inference only
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi, rng)
+    ctx.attrs = (max_q, max_k, scale, causal, wl, wr, softcap, p, det)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi, rng = ctx.saved_tensors
+    max_q, max_k, scale, causal, wl, wr, softcap, p, det = ctx.attrs
+    dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr,
+                     softcap, alibi, p, rng, det)
+    return dq, dk, dv, *([None] * 14)
+
+
+fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _register_cuda_fakes() -> None:
+    """Fake implementations of the compiled ops, so opcheck and compile can trace them."""
+    if not extension_status()[0]:
+        return
+
+    @torch.library.register_fake("hf_flash::_cuda_fwd")
+    def _(q, k, v, cu_seqlens_q, *rest):
+        return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
+
+    @torch.library.register_fake("hf_flash::_cuda_bwd")
+    def _(dout, q, k, v, *rest):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_register_cuda_fakes()
