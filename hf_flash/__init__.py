@@ -4,7 +4,11 @@
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="hf_flash")
 """
 
+from .env import env_report
+from .integration import register as _register_with_transformers
 from .interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
 __version__ = "0.1.0"
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "env_report", "__version__"]
+
+_register_with_transformers()

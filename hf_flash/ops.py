@@ -12,6 +12,8 @@ opaque to ``torch.compile`` (no graph breaks) and safe under CUDA graphs.
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import logging
 from typing import Optional
 
@@ -29,10 +31,12 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 @functools.lru_cache(maxsize=None)
 def extension_status() -> tuple[bool, str]:
     """(loaded, detail) for the compiled CUDA extension hf_flash._C."""
+    if importlib.util.find_spec("hf_flash._C") is None:
+        return False, "CUDA extension not built (install on a machine with CUDA torch and nvcc)"
     try:
-        from . import _C  # noqa: F401  (loading it registers hf_flash::_cuda_* ops)
+        importlib.import_module("hf_flash._C")  # registers the hf_flash::_cuda_* ops
     except ImportError as e:
-        return False, f"CUDA extension not built ({e})"
+        return False, f"CUDA extension failed to load: {e}"
     return True, "CUDA extension loaded"
 
 

@@ -1,0 +1,133 @@
+"""Registers ``attn_implementation="hf_flash"`` with transformers (5.17 and newer 5.x).
+
+transformers' own flash-attention wrapper does the layout work (BSHD
+transpose, unpadding of padded batches, packed sequences from ``position_ids``
+or ``cu_seq_lens_*``, static-cache slicing, sliding window and softcap
+arguments); it looks its kernels up by implementation name, so we hand it ours.
+Three traps make that more than one ``register`` call (see the integration
+notes in the repository's docs):
+
+* any name containing "flash" goes through ``_lazy_imports``, which would
+  try to download a hub kernel called "hf_flash": we answer that lookup;
+* an unregistered mask function silently drops padding: we register the
+  flash-attention mask (2-D ``(batch, kv)`` bool) for our name;
+* models with ``_compatible_flash_implementations`` rewrite any flash name to
+  their own kernel: we add ours to their lists.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+from . import interface
+
+logger = logging.getLogger("hf_flash")
+
+NAME = "hf_flash"
+PAGED_NAME = f"paged|{NAME}"
+MIN_TRANSFORMERS = (5, 17)
+
+
+class UnsupportedAttentionError(ValueError):
+    """An attention feature that hf_flash does not implement (it never silently changes the math)."""
+
+
+def attention_forward(module, query, key, value, attention_mask, **kwargs):
+    """The function transformers calls for every attention layer (AttentionInterface)."""
+    from transformers.integrations.flash_attention import flash_attention_forward
+
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedAttentionError(
+            f"hf_flash does not support attention sinks (s_aux), used by {type(module).__name__}; "
+            "load this model with attn_implementation='eager' or 'sdpa'")
+    if kwargs.get("output_attentions"):
+        raise UnsupportedAttentionError("hf_flash never materialises attention weights; "
+                                        "use attn_implementation='eager' with output_attentions=True")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise UnsupportedAttentionError(
+            f"hf_flash takes a 2-D (batch, kv_len) padding mask, got a {attention_mask.dim()}-D mask from "
+            f"{type(module).__name__}: this model builds custom masks that flash attention cannot express")
+    return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _kernels():
+    """What transformers' ``_lazy_imports`` returns for our name."""
+    from transformers import modeling_flash_attention_utils as mfau
+
+    return (interface.flash_attn_func, interface.flash_attn_varlen_func, interface.flash_attn_with_kvcache,
+            mfau._pad_input, mfau._unpad_input)
+
+
+def _install_lazy_import_hook(mfau) -> None:
+    original = mfau._lazy_imports
+    if getattr(original, "_hf_flash_hook", False):
+        return
+
+    @functools.wraps(original)
+    def _lazy_imports(implementation, attention_wrapper=None, allow_all_kernels=False):
+        if implementation is not None and implementation.removeprefix("paged|") == NAME:
+            return _kernels()
+        return original(implementation, attention_wrapper, allow_all_kernels=allow_all_kernels)
+
+    _lazy_imports._hf_flash_hook = True
+    mfau._lazy_imports = _lazy_imports
+
+
+def _allow_in_model_flash_lists() -> None:
+    """Models that pin their flash kernels (``_compatible_flash_implementations``) accept ours too."""
+    import transformers
+
+    for model_type in ("gpt_oss", "granite_swa", "granitemoe_swa", "openai_privacy_filter", "minimax_m3_vl"):
+        try:
+            module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        except ImportError:
+            continue
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, transformers.PreTrainedModel):
+                names = obj.__dict__.get("_compatible_flash_implementations")
+                if names is not None and NAME not in names:
+                    obj._compatible_flash_implementations = [*names, NAME]
+
+
+def _check_version(transformers) -> None:
+    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    if version < MIN_TRANSFORMERS or version[0] != 5:
+        raise ImportError(f"hf_flash supports transformers 5.x from {'.'.join(map(str, MIN_TRANSFORMERS))}, "
+                          f"found {transformers.__version__}")
+
+
+@functools.lru_cache(maxsize=None)
+def register() -> bool:
+    """Make ``attn_implementation="hf_flash"`` available; False if transformers is absent."""
+    try:
+        import transformers
+    except ImportError:
+        return False
+    _check_version(transformers)
+    from transformers import AttentionInterface
+    from transformers import modeling_flash_attention_utils as mfau
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    _install_lazy_import_hook(mfau)
+    _allow_in_model_flash_lists()
+    try:  # continuous batching (generate_batch, paged cache) asks for "paged|<name>" in 5.17
+        from transformers.integrations.flash_paged import paged_attention_forward
+
+        AttentionInterface.register(PAGED_NAME, paged_attention_forward)
+        AttentionMaskInterface.register(PAGED_NAME, flash_attention_mask)
+    except ImportError:
+        pass
+    return True
+
+
+def is_registered() -> bool:
+    try:
+        from transformers import AttentionInterface
+    except ImportError:
+        return False
+    return NAME in AttentionInterface._global_mapping
+
