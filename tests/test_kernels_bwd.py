@@ -1,0 +1,167 @@
+"""Backward kernels (csrc/bwd) against a float32 reference.
+
+Outputs and LSE come from ``hf_flash.reference.fwd`` in float32 so these tests
+do not depend on the forward kernel. Rule for every gradient:
+``max|ours - ref| <= 3 * max|torch_same_precision - ref| + 1e-5``, where ref is
+``reference.bwd`` on float32 copies and torch_same_precision is autograd
+through ``naive_attention`` in the input dtype.
+"""
+
+import math
+
+import pytest
+import torch
+
+from hf_flash import reference
+
+pytestmark = pytest.mark.gpu
+
+DIMS = (32, 40, 64, 96, 128, 192, 256)  # 40 runs zero-padded to the d64 kernel
+# (sq, sk, h, hk, causal, window, softcap, alibi); covers S = 1, sq != sk, GQA 1/2/8,
+# fully masked rows (causal with sq > sk), windows, softcap and ALiBi.
+CASES = [
+    (1, 1, 4, 4, False, (-1, -1), 0.0, False),
+    (1, 130, 4, 2, True, (-1, -1), 0.0, False),
+    (113, 203, 8, 1, False, (-1, -1), 0.0, False),
+    (256, 256, 4, 4, True, (-1, -1), 0.0, False),
+    (300, 129, 4, 2, True, (-1, -1), 0.0, False),
+    (200, 333, 8, 2, False, (64, 32), 0.0, False),
+    (150, 150, 4, 4, True, (40, 0), 0.0, False),
+    (257, 190, 4, 4, False, (-1, -1), 5.0, False),
+    (190, 257, 4, 1, True, (-1, -1), 0.0, True),
+]
+
+
+def _inputs(shape_q, shape_k, dtype):
+    q = torch.randn(shape_q, device="cuda", dtype=dtype)
+    k = torch.randn(shape_k, device="cuda", dtype=dtype)
+    v = torch.randn(shape_k, device="cuda", dtype=dtype)
+    return q, k, v
+
+
+def _check(ours, ref, same_precision):
+    for name, o, r, s in zip(("dq", "dk", "dv"), ours, ref, same_precision):
+        assert torch.isfinite(o).all(), f"{name} has non-finite values"
+        err, bound = (o.float() - r).abs().max().item(), 3 * (s.float() - r).abs().max().item() + 1e-5
+        assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g}"
+
+
+def _torch_grads(q, k, v, dout, **kw):
+    """Autograd through naive_attention in the inputs' dtype."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    reference.naive_attention(q, k, v, **kw).backward(dout)
+    return q.grad, k.grad, v.grad
+
+
+def _dense_case(b, sq, sk, h, hk, d, dtype, causal, window, softcap, alibi, dropout_p=0.0, deterministic=False):
+    q, k, v = _inputs((b, sq, h, d), (b, sk, hk, d), dtype)
+    dout = torch.randn_like(q)
+    scale = d**-0.5
+    slopes = torch.rand(b, h, device="cuda") * 0.3 if alibi else None
+    rng = torch.tensor([1234567, 89], dtype=torch.int64, device="cuda") if dropout_p > 0 else None
+    f32 = [t.float() for t in (q, k, v)]
+    opts = (scale, causal, window[0], window[1], softcap, slopes, dropout_p, rng)
+    out32, lse = reference.fwd(*f32, None, None, None, sq, sk, *opts)
+    ref = reference.bwd(dout.float(), *f32, out32, lse, None, None, sq, sk, *opts)
+    ours = torch.ops.hf_flash.bwd(dout, q, k, v, out32.to(dtype), lse, None, None, sq, sk, *opts, deterministic)
+    keep = None
+    if dropout_p > 0:
+        rows, cols = torch.arange(sq, device="cuda"), torch.arange(sk, device="cuda")
+        keep = torch.stack([reference.dropout_keep(rng, i, h, rows, cols, dropout_p) for i in range(b)])
+    same = _torch_grads(q, k, v, dout, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                        alibi_slopes=slopes, dropout_keep_mask=keep, dropout_p=dropout_p)
+    return ours, ref, same
+
+
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"sq{c[0]}-sk{c[1]}-h{c[2]}/{c[3]}")
+def test_grads_bf16(d, case):
+    sq, sk, h, hk, causal, window, softcap, alibi = case
+    _check(*_dense_case(2, sq, sk, h, hk, d, torch.bfloat16, causal, window, softcap, alibi))
+
+
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("case", CASES[2:6], ids=lambda c: f"sq{c[0]}-sk{c[1]}-h{c[2]}/{c[3]}")
+def test_grads_fp16(d, case):
+    sq, sk, h, hk, causal, window, softcap, alibi = case
+    _check(*_dense_case(2, sq, sk, h, hk, d, torch.float16, causal, window, softcap, alibi))
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True), (256, False)])
+def test_grads_dropout(d, causal):
+    """Dropout: the backward redraws the forward's Philox mask (same rng_state)."""
+    _check(*_dense_case(2, 177, 211, 4, 2, d, torch.bfloat16, causal, (-1, -1), 0.0, False, dropout_p=0.17))
+
+
+@pytest.mark.parametrize("d,causal,hk", [(64, False, 4), (128, True, 2), (96, True, 1)])
+def test_grads_varlen(d, causal, hk):
+    h, dtype = 4, torch.bfloat16
+    lens_q = torch.randint(1, 300, (5,)).tolist()
+    lens_k = [max(1, n + int(torch.randint(-40, 80, ()))) for n in lens_q]
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    q, k, v = _inputs((sum(lens_q), h, d), (sum(lens_k), hk, d), dtype)
+    dout = torch.randn_like(q)
+    opts = (d**-0.5, causal, -1, -1, 0.0, None, 0.0, None)
+    f32 = [t.float() for t in (q, k, v)]
+    mq, mk = max(lens_q), max(lens_k)
+    out32, lse = reference.fwd(*f32, cu_q, cu_k, None, mq, mk, *opts)
+    ref = reference.bwd(dout.float(), *f32, out32, lse, cu_q, cu_k, mq, mk, *opts)
+    ours = torch.ops.hf_flash.bwd(dout, q, k, v, out32.to(dtype), lse, cu_q, cu_k, mq, mk, *opts, False)
+    same = [[], [], []]
+    for i in range(len(lens_q)):
+        sl_q, sl_k = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        grads = _torch_grads(q[None, sl_q], k[None, sl_k], v[None, sl_k], dout[None, sl_q], causal=causal)
+        for acc, g in zip(same, grads):
+            acc.append(g[0])
+    _check(ours, ref, [torch.cat(g) for g in same])
+
+
+def _bwd_args(b=2, s=2048, h=16, hk=8, d=128, causal=True):
+    q, k, v = _inputs((b, s, h, d), (b, s, hk, d), torch.bfloat16)
+    dout = torch.randn_like(q)
+    out, lse = reference.fwd(q, k, v, None, None, None, s, s, d**-0.5, causal, -1, -1, 0.0, None, 0.0, None)
+    return (dout, q, k, v, out, lse, None, None, s, s, d**-0.5, causal, -1, 0 if causal else -1, 0.0, None, 0.0,
+            None)
+
+
+def test_deterministic():
+    """50 runs, bitwise equal; 16 key blocks over 8 dQ copies, so lanes walk 2 blocks each."""
+    args = _bwd_args()
+    first = torch.ops.hf_flash._cuda_bwd(*args, True)
+    for _ in range(49):
+        again = torch.ops.hf_flash._cuda_bwd(*args, True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    fast = torch.ops.hf_flash._cuda_bwd(*args, False)
+    for a, b in zip(first, fast):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_opcheck():
+    torch.library.opcheck(torch.ops.hf_flash._cuda_bwd.default, (*_bwd_args(1, 129, 4, 2, 64), False))
+
+
+def _forward_built() -> bool:
+    q = torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    try:
+        torch.ops.hf_flash._cuda_fwd(q, q, q, None, None, None, 8, 8, 0.125, False, -1, -1, 0.0, None, 0.0, None)
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_compile_fwd_bwd():
+    """torch.compile(fullgraph=True) through flash_attn_func, forward and backward."""
+    if not _forward_built():
+        pytest.skip("extension built without the forward kernels")
+    from hf_flash import flash_attn_func
+
+    q, k, v = (t.requires_grad_() for t in _inputs((2, 200, 4, 64), (2, 200, 2, 64), torch.bfloat16))
+    dout = torch.randn_like(q)
+    fn = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True), fullgraph=True)
+    fn(q, k, v).backward(dout)
+    ours = [t.grad for t in (q, k, v)]
+    f32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    reference.naive_attention(*f32, causal=True).backward(dout.float())
+    same = _torch_grads(q, k, v, dout, causal=True)
+    _check(ours, [t.grad for t in f32], same)
