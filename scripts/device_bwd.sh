@@ -3,7 +3,7 @@
 # time), tests, compute-sanitizer on a tiny case, benchmark. Usage on the device:
 #   bash scripts/device_bwd.sh [pytest -k expression]
 set -o pipefail
-export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=90a MAX_JOBS=16
+export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=90a MAX_JOBS=16 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/log"
 start=$(date +%s)
@@ -12,7 +12,7 @@ if ! python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
   HF_FLASH_DISABLE_FORWARD=1 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 fi
 echo "build $(( $(date +%s) - start )) s" | tee -a "$OUT/log"
-timeout 240 python3 -m pytest -q -x --no-header -p no:cacheprovider tests/test_kernels_bwd.py tests/test_train_gpu.py \
+timeout 240 python3 -m pytest -q --tb=line -rf --no-header -p no:cacheprovider tests/test_kernels_bwd.py tests/test_train_gpu.py \
   ${1:+-k "$1"} 2>&1 | tail -25 | tee -a "$OUT/log"
 cat >/tmp/tiny.py <<'PY'
 import torch, hf_flash
@@ -25,6 +25,6 @@ for causal, hk, deterministic in ((False, 2, False), (True, 1, True)):
 torch.cuda.synchronize()
 PY
 for tool in memcheck racecheck; do
-  timeout 90 compute-sanitizer --tool $tool --kernel-name regex:bwd python3 /tmp/tiny.py 2>&1 | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | head -5 | sed "s/^/$tool: /" | tee -a "$OUT/log"
+  timeout 90 compute-sanitizer --tool $tool python3 /tmp/tiny.py 2>&1 | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Error|error" | head -5 | sed "s/^/$tool: /" | tee -a "$OUT/log"
 done
 timeout 200 python3 benchmarks/bench_bwd.py --csv "$OUT/bench_bwd.csv" 2>&1 | tail -20 | tee -a "$OUT/log"

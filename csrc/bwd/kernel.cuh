@@ -40,17 +40,20 @@ struct Traits {
   static constexpr int kSmemBytes = kElems * 2 + 2 * kBlockM * sizeof(float);
 };
 
-// One sequence of the batch: row offsets into the packed (dense: b * seqlen)
-// row space, and its lengths.
+// One sequence of the batch: its lengths, its first row in the tensors (added
+// to batch_stride * b, so 0 when dense), and its first row in the workspace's
+// packed row space (dense: b * seqlen_q).
 struct Seq {
-  int q0, k0, sq, sk;
+  int q0, k0, sq, sk, ws0;
   __device__ Seq(const BwdParams& p, int b) {
     if (p.cu_seqlens_q) {
       q0 = p.cu_seqlens_q[b]; sq = p.cu_seqlens_q[b + 1] - q0;
       k0 = p.cu_seqlens_k[b]; sk = p.cu_seqlens_k[b + 1] - k0;
+      ws0 = q0;
     } else {
-      q0 = b * p.seqlen_q; sq = p.seqlen_q;
-      k0 = b * p.seqlen_k; sk = p.seqlen_k;
+      q0 = 0; sq = p.seqlen_q;
+      k0 = 0; sk = p.seqlen_k;
+      ws0 = b * p.seqlen_q;
     }
   }
 };
@@ -193,7 +196,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int64_t lse_idx = p.cu_seqlens_q ? head * p.lse_head_stride + seq.q0 + i
                                                : b * p.lse_batch_stride + head * p.lse_head_stride + i;
         lse2_next = ok ? p.lse[lse_idx] * kLog2e : INFINITY;  // +inf: P = 0 for padding and empty rows
-        dsum_next = ok ? dsum[int64_t(head) * p.total_q + seq.q0 + i] : 0.f;
+        dsum_next = ok ? dsum[int64_t(head) * p.total_q + seq.ws0 + i] : 0.f;
       }
     };
     auto store_row_stats = [&] {
@@ -315,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int h2 = 0; h2 < 2; ++h2) {
           const int i = m0 + 16 * wm + g + 8 * h2;
           if (i < seq.sq) {
-            float* dst = dq_base + (int64_t(seq.q0 + i) * p.h + head) * kD + wd * Tr::kCCols + 2 * t;
+            float* dst = dq_base + (int64_t(seq.ws0 + i) * p.h + head) * kD + wd * Tr::kCCols + 2 * t;
 #pragma unroll
             for (int j = 0; j < Tr::kCCols / 8; ++j) {
               atomicAdd(dst + 8 * j, dq[j][2 * h2]);
