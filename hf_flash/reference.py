@@ -57,8 +57,11 @@ def dropout_keep(rng_state, batch: int, num_heads: int, rows, cols, p: float) ->
     return word >= threshold
 
 
-def _visible(rows, cols, seqlen_q: int, seqlen_k: int, window_left: int, window_right: int):
-    """(len(rows), len(cols)) bool: key j visible to query i (bottom-right aligned)."""
+def _visible(rows, cols, seqlen_q, seqlen_k, window_left: int, window_right: int):
+    """Bool mask, key j visible to query i (bottom-right aligned). Lengths are
+    ints, or (B,) tensors giving a (B, 1, len(rows), len(cols)) mask."""
+    if isinstance(seqlen_q, torch.Tensor):
+        seqlen_q, seqlen_k = seqlen_q[:, None, None, None], seqlen_k[:, None, None, None]
     diag = rows[:, None] + (seqlen_k - seqlen_q)
     j = cols[None, :]
     ok = j < seqlen_k
@@ -69,54 +72,57 @@ def _visible(rows, cols, seqlen_q: int, seqlen_k: int, window_left: int, window_
     return ok
 
 
-class _Sequence:
-    """One sequence's view of the op arguments: q (H, Sq, D), k/v (Hk, Sk, D)."""
+class _Batch:
+    """The op arguments as a padded batch: q (B, H, Sq, D), k/v (B, Hk, Sk, D),
+    with each sequence's true lengths in len_q / len_k (B,). Rows past len_q
+    are padding: computed, then dropped by the caller."""
 
-    def __init__(self, q, k, v, batch, seqlen_k, args):
-        self.q, self.k, self.v, self.batch = q, k, v, batch
-        self.seqlen_q, self.seqlen_k = q.shape[1], seqlen_k
-        (self.scale, causal, wl, wr, self.softcap, alibi, self.p_drop, self.rng_state) = args
-        self.window_left = wl
+    def __init__(self, q, k, v, len_q, len_k, args):
+        self.q, self.k, self.v, self.len_q, self.len_k = q, k, v, len_q, len_k
+        (self.scale, causal, self.window_left, wr, self.softcap, alibi, self.p_drop, self.rng_state) = args
         self.window_right = 0 if causal else wr
         self.slopes = None
         if alibi is not None:
-            self.slopes = (alibi[batch] if alibi.dim() == 2 else alibi).to(q.dtype)
-        self.groups = q.shape[0] // k.shape[0]
-        self.rows = torch.arange(self.seqlen_q, device=q.device)
+            b, h = q.shape[:2]
+            self.slopes = (alibi if alibi.dim() == 2 else alibi[None].expand(b, h)).to(q.dtype)
+        self.groups = q.shape[1] // k.shape[1]
+        self.rows = torch.arange(q.shape[2], device=q.device)
 
     def kv(self, t, cols):
         """Key/value rows `cols`, repeated over the query heads of each group."""
-        return t[:, cols].repeat_interleave(self.groups, dim=0)
+        return t[:, :, cols].repeat_interleave(self.groups, dim=1)
 
     def scores(self, cols):
-        """Masked logits (H, Sq, n) in natural-log units, and tanh(.) for softcap's backward."""
-        s = torch.einsum("hqd,hkd->hqk", self.q, self.kv(self.k, cols)) * self.scale
+        """Masked logits (B, H, Sq, n) in natural-log units, and tanh(.) for softcap's backward."""
+        s = torch.einsum("bhqd,bhkd->bhqk", self.q, self.kv(self.k, cols)) * self.scale
         t = None
         if self.softcap > 0:
             t = torch.tanh(s / self.softcap)
             s = self.softcap * t
         if self.slopes is not None:
-            dist = (self.rows[:, None] + self.seqlen_k - self.seqlen_q - cols[None, :]).abs()
-            s = s - self.slopes[:, None, None] * dist
-        mask = _visible(self.rows, cols, self.seqlen_q, self.seqlen_k, self.window_left, self.window_right)
+            offset = (self.len_k - self.len_q)[:, None, None, None]
+            dist = (self.rows[:, None] + offset - cols[None, :]).abs()
+            s = s - self.slopes[:, :, None, None] * dist
+        mask = _visible(self.rows, cols, self.len_q, self.len_k, self.window_left, self.window_right)
         return s.masked_fill(~mask, -math.inf), t
 
     def dropout_scale(self, cols):
         """Per-element factor keep / (1 - p), or None without dropout."""
         if self.p_drop <= 0:
             return None
-        keep = dropout_keep(self.rng_state, self.batch, self.q.shape[0], self.rows, cols, self.p_drop)
+        h = self.q.shape[1]
+        keep = torch.stack([dropout_keep(self.rng_state, b, h, self.rows, cols, self.p_drop)
+                            for b in range(self.q.shape[0])])
         return keep.to(self.q.dtype) / (1.0 - self.p_drop)
 
     def blocks(self):
-        for start in range(0, self.k.shape[1], BLOCK_N):
-            yield torch.arange(start, min(start + BLOCK_N, self.k.shape[1]), device=self.q.device)
+        for start in range(0, self.k.shape[2], BLOCK_N):
+            yield torch.arange(start, min(start + BLOCK_N, self.k.shape[2]), device=self.q.device)
 
     def forward(self):
-        h, sq, _ = self.q.shape
-        m = torch.full((h, sq), -math.inf, dtype=self.q.dtype, device=self.q.device)
+        m = torch.full(self.q.shape[:3], -math.inf, dtype=self.q.dtype, device=self.q.device)
         l = torch.zeros_like(m)
-        acc = torch.zeros(h, sq, self.v.shape[-1], dtype=self.q.dtype, device=self.q.device)
+        acc = torch.zeros_like(self.q)
         for cols in self.blocks():
             s, _ = self.scores(cols)
             m_new = torch.maximum(m, s.amax(-1))
@@ -127,7 +133,7 @@ class _Sequence:
             drop = self.dropout_scale(cols)
             if drop is not None:
                 p = p * drop
-            acc = alpha[..., None] * acc + torch.einsum("hqk,hkd->hqd", p, self.kv(self.v, cols))
+            acc = alpha[..., None] * acc + torch.einsum("bhqk,bhkd->bhqd", p, self.kv(self.v, cols))
             m = m_new
         empty = l == 0
         out = torch.where(empty[..., None], 0.0, acc / torch.where(empty, 1.0, l)[..., None])
@@ -136,88 +142,100 @@ class _Sequence:
 
     def backward(self, out, dout, lse):
         dq = torch.zeros_like(self.q)
-        dk = torch.zeros(self.q.shape[0], *self.k.shape[1:], dtype=self.q.dtype, device=self.q.device)
+        dk = torch.zeros(*self.q.shape[:2], *self.k.shape[2:], dtype=self.q.dtype, device=self.q.device)
         dv = torch.zeros_like(dk)
         delta = (dout * out).sum(-1)  # D = rowsum(dO * O)
         for cols in self.blocks():
             s, t = self.scores(cols)
             p = torch.exp(s - lse[..., None])  # lse = +inf on empty rows gives p = 0
             v_blk, k_blk = self.kv(self.v, cols), self.kv(self.k, cols)
-            dp = torch.einsum("hqd,hkd->hqk", dout, v_blk)
+            dp = torch.einsum("bhqd,bhkd->bhqk", dout, v_blk)
             drop = self.dropout_scale(cols)
             p_used = p if drop is None else p * drop
             if drop is not None:
                 dp = dp * drop
-            dv[:, cols] += torch.einsum("hqk,hqd->hkd", p_used, dout)
+            dv[:, :, cols] += torch.einsum("bhqk,bhqd->bhkd", p_used, dout)
             ds = p * (dp - delta[..., None])
             if t is not None:
                 ds = ds * (1 - t * t)
             ds = ds * self.scale
-            dq += torch.einsum("hqk,hkd->hqd", ds, k_blk)
-            dk[:, cols] += torch.einsum("hqk,hqd->hkd", ds, self.q)
-        hk = self.k.shape[0]
-        fold = lambda g: g.view(hk, self.groups, *g.shape[1:]).sum(1)  # GQA: sum over the group
+            dq += torch.einsum("bhqk,bhkd->bhqd", ds, k_blk)
+            dk[:, :, cols] += torch.einsum("bhqk,bhqd->bhkd", ds, self.q)
+        b, hk = self.k.shape[:2]
+        fold = lambda g: g.view(b, hk, self.groups, *g.shape[2:]).sum(2)  # GQA: sum over the group
         return dq, fold(dk), fold(dv)
+
+
+class _Layout:
+    """Moves between the op layout (dense (B, S, H, D) or varlen (T, H, D)) and
+    the padded (B, H, S, D) batch, in the math dtype."""
+
+    def __init__(self, cu_seqlens, dtype):
+        self.cu, self.dtype = cu_seqlens, dtype
+        if cu_seqlens is None:
+            self.lengths = None
+            return
+        self.lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        width = max(int(self.lengths.max()) if len(self.lengths) else 0, 1)
+        pos = torch.arange(width, device=cu_seqlens.device)
+        self.valid = pos[None, :] < self.lengths[:, None]  # (B, width)
+        self.index = (cu_seqlens[:-1, None].long() + pos[None, :]) * self.valid
+
+    def pad(self, x):
+        if self.cu is None:
+            return x.to(self.dtype).transpose(1, 2)
+        valid = self.valid.view(*self.valid.shape, *([1] * (x.dim() - 1)))
+        return torch.where(valid, x[self.index], 0).to(self.dtype).transpose(1, 2)
+
+    def unpad(self, x, like):
+        x = x.transpose(1, 2)
+        if self.cu is None:
+            return torch.empty_like(like).copy_(x)  # keeps like's strides, as the fake op does
+        out = torch.zeros_like(like)
+        out[self.index[self.valid]] = x[self.valid].to(like.dtype)
+        return out
+
+    def seqlens(self, dense_len, batch, device):
+        if self.cu is None:
+            return torch.full((batch,), dense_len, device=device)
+        return self.lengths
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k):
-    """Yield (batch, q-rows, k-rows, valid keys) per sequence, as slices into the inputs."""
-    if cu_seqlens_q is None:
-        for b in range(q.shape[0]):
-            sk = k.shape[1] if seqused_k is None else int(seqused_k[b])
-            yield b, (b, slice(None)), (b, slice(None)), sk
-    else:
-        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        for b in range(len(cq) - 1):
-            sk = ck[b + 1] - ck[b] if seqused_k is None else int(seqused_k[b])
-            yield b, (slice(cq[b], cq[b + 1]),), (slice(ck[b], ck[b + 1]),), sk
-
-
-def _sequence(q, k, v, qi, ki, sk, b, args):
+def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args):
     dt = _compute_dtype(q)
-    heads_first = lambda t: t.to(dt).transpose(0, 1)  # (S, H, D) -> (H, S, D)
-    kk, vv = heads_first(k[ki]), heads_first(v[ki])
-    return _Sequence(heads_first(q[qi]), kk[:, :sk], vv[:, :sk], b, sk, args)
+    lq, lk = _Layout(cu_seqlens_q, dt), _Layout(cu_seqlens_k, dt)
+    b = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
+    len_q = lq.seqlens(q.shape[1] if cu_seqlens_q is None else 0, b, q.device)
+    len_k = lk.seqlens(k.shape[1] if cu_seqlens_k is None else 0, b, q.device)
+    if seqused_k is not None:
+        len_k = seqused_k.long()
+    return lq, lk, _Batch(lq.pad(q), lk.pad(k), lk.pad(v), len_q, len_k, args)
 
 
 def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
         window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state):
     """Forward: returns out (like q) and lse (float32; (B, H, Sq) dense, (H, T) varlen)."""
     args = (softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
-    out = torch.zeros_like(q)
-    if cu_seqlens_q is None:
-        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-    else:
-        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-    for b, qi, ki, sk in _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k):
-        o_b, lse_b = _sequence(q, k, v, qi, ki, sk, b, args).forward()
-        out[qi] = o_b.transpose(0, 1).to(q.dtype)
-        if cu_seqlens_q is None:
-            lse[b] = lse_b.float()
-        else:
-            lse[:, qi[0]] = lse_b.float()
-    return out, lse
+    lq, _, batch = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args)
+    out, lse = batch.forward()
+    if cu_seqlens_q is not None:  # (B, H, S) -> (H, T)
+        lse = lq.unpad(lse[..., None], q.new_empty(q.shape[0], q.shape[1], 1, dtype=lse.dtype))[..., 0].T
+    return lq.unpad(out, q), lse.float().contiguous()
 
 
 def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
         window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state):
     """Backward by recomputation from the saved LSE: returns dq, dk, dv."""
     args = (softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dt = _compute_dtype(q)
-    for b, qi, ki, sk in _sequences(q, k, v, cu_seqlens_q, cu_seqlens_k, None):
-        seq = _sequence(q, k, v, qi, ki, sk, b, args)
-        lse_b = (lse[b] if cu_seqlens_q is None else lse[:, qi[0]]).to(dt)
-        o_b, do_b = (t[qi].to(dt).transpose(0, 1) for t in (out, dout))
-        dq_b, dk_b, dv_b = seq.backward(o_b, do_b, lse_b)
-        dq[qi] = dq_b.transpose(0, 1).to(q.dtype)
-        dk[ki] = dk_b.transpose(0, 1).to(k.dtype)
-        dv[ki] = dv_b.transpose(0, 1).to(v.dtype)
-    return dq, dk, dv
+    lq, lk, batch = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, None, args)
+    if cu_seqlens_q is not None:  # (H, T) -> (B, H, S)
+        lse = lq.pad(lse.T[..., None])[..., 0]
+    dq, dk, dv = batch.backward(lq.pad(out), lq.pad(dout), lse.to(batch.q.dtype))
+    return lq.unpad(dq, q), lk.unpad(dk, k), lk.unpad(dv, v)
 
 
 def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

@@ -1,0 +1,35 @@
+"""Command line: ``python -m hf_flash {env,demo}`` (and ``python -m hf_flash.bench``)."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: python -m hf_flash COMMAND [options]
+
+commands:
+  env    versions, GPU, and which attention path runs (and why)
+  demo   fine-tune a small Llama with Trainer on hf_flash, generate, compare perplexity with sdpa
+"""
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "env":
+        import hf_flash
+
+        print(hf_flash.env_report())
+        return 0
+    if command == "demo":
+        from hf_flash.demo import main as demo
+
+        return demo(rest)
+    print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""The PyTorch reference (the CPU path and the kernels' twin) against textbook
+float64 attention: forward, LSE and all gradients, on a randomized grid."""
+
+import math
+
+import pytest
+import torch
+
+from hf_flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, reference
+from hf_flash.reference import naive_attention
+
+F64 = torch.float64
+
+
+def rand(*shape, dtype=F64):
+    return torch.randn(*shape, dtype=dtype, requires_grad=True)
+
+
+def grads(out, inputs, dout):
+    return torch.autograd.grad(out, inputs, dout)
+
+
+def assert_close(actual, expected, atol, what):
+    err = (actual - expected).abs().max().item()
+    assert not torch.isnan(actual).any(), f"{what}: NaN"
+    assert err <= atol, f"{what}: max abs error {err:.3g} > {atol:.3g}"
+
+
+# (batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim, causal, window, softcap)
+GRID = [
+    (2, 17, 17, 4, 4, 32, False, (-1, -1), 0.0),
+    (1, 1, 1, 2, 1, 64, True, (-1, -1), 0.0),
+    (2, 1, 300, 8, 1, 40, True, (-1, -1), 0.0),  # decode-like, MQA, odd head dim
+    (1, 113, 203, 8, 4, 80, True, (-1, -1), 0.0),  # sq < sk: bottom-right causal
+    (2, 203, 113, 4, 2, 96, True, (-1, -1), 0.0),  # sq > sk: top rows fully masked
+    (1, 257, 257, 8, 1, 128, False, (31, 7), 0.0),  # asymmetric local window
+    (1, 129, 129, 2, 2, 256, True, (16, 0), 50.0),  # sliding window + softcap
+    (1, 64, 64, 8, 8, 192, False, (-1, -1), 30.0),
+    (1, 1030, 1030, 2, 1, 32, True, (-1, -1), 0.0),  # several K/V tiles
+    (3, 33, 65, 4, 2, 59, False, (5, 5), 0.0),  # symmetric window (ModernBERT-style), odd d
+]
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,window,softcap", GRID)
+def test_matches_naive_float64(b, sq, sk, h, hk, d, causal, window, softcap):
+    q, k, v = rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+    opts = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **opts)
+    ref = naive_attention(q, k, v, **opts)
+    assert_close(out, ref, 1e-10, "out")
+    dout = torch.randn_like(out)
+    for name, g, g_ref in zip("qkv", grads(out, (q, k, v), dout), grads(ref, (q, k, v), dout)):
+        # LSE is stored in float32 (as the kernels do), so gradients are float32-accurate.
+        assert_close(g, g_ref, 2e-5 * max(1.0, g_ref.abs().max().item()), f"d{name}")
+    assert lse.dtype == torch.float32 and lse.shape == (b, h, sq)
+
+
+def test_lse_is_logsumexp_and_inf_on_empty_rows():
+    b, sq, sk, h, d = 2, 40, 24, 4, 32
+    q, k, v = (torch.randn(b, s, h, d, dtype=F64) for s in (sq, sk, sk))
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * d**-0.5
+    rows = torch.arange(sq)[:, None] + sk - sq
+    s = s.masked_fill(torch.arange(sk)[None, :] > rows, -math.inf)
+    expected = torch.logsumexp(s, -1)
+    empty = torch.isinf(expected)
+    assert empty.any(), "case must contain fully masked rows"
+    assert torch.isposinf(lse[empty]).all(), "empty rows must have LSE = +inf (gradients then vanish)"
+    assert_close(lse[~empty].double(), expected[~empty], 1e-5, "lse")
+    empty_rows = empty[0, 0]
+    assert (out[:, empty_rows] == 0).all(), "fully masked rows must output exactly 0"
+
+
+def test_fully_masked_rows_give_zero_gradients():
+    q, k, v = rand(1, 30, 2, 16), rand(1, 10, 2, 16), rand(1, 10, 2, 16)
+    out = flash_attn_func(q, k, v, causal=True)  # rows 0..19 see no key
+    dq, dk, dv = grads(out, (q, k, v), torch.randn_like(out))
+    assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
+    assert (dq[:, :20] == 0).all()
+
+
+@pytest.mark.parametrize("hk", [1, 2, 8])
+def test_alibi(hk):
+    b, s, h, d = 2, 50, 8, 32
+    q, k, v = rand(b, s, h, d), rand(b, s, hk, d), rand(b, s, hk, d)
+    slopes = torch.rand(b, h, dtype=torch.float32)
+    out = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes)
+    ref = naive_attention(q, k, v, causal=True, alibi_slopes=slopes.double())
+    assert_close(out, ref, 1e-6, "out")  # slopes are float32 by API
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_low_precision_error_within_twice_torch(dtype):
+    """flash-attn's rule: error vs a float64 oracle at most 2x that of naive attention in `dtype`."""
+    q, k, v = (torch.randn(2, 97, 4, 64, dtype=dtype) for _ in range(3))
+    ref = naive_attention(*(t.double() for t in (q, k, v)), causal=True)
+    same_precision = naive_attention(q.float(), k.float(), v.float(), causal=True).to(dtype)
+    out = flash_attn_func(q, k, v, causal=True)
+    assert out.dtype == dtype
+    bound = 2 * (same_precision.double() - ref).abs().max().item() + 1e-5
+    assert_close(out.double(), ref, bound, f"out {dtype}")
+
+
+def _random_cu_seqlens(batch, max_len, allow_empty=True):
+    lengths = torch.randint(0 if allow_empty else 1, max_len + 1, (batch,))
+    return torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)]), lengths
+
+
+@pytest.mark.parametrize("causal,window,hk", [(True, (-1, -1), 2), (False, (-1, -1), 4), (True, (8, 0), 1)])
+def test_varlen_matches_per_sequence(causal, window, hk):
+    batch, h, d = 5, 4, 48
+    cu_q, len_q = _random_cu_seqlens(batch, 70)
+    cu_k, len_k = _random_cu_seqlens(batch, 90)
+    q = rand(int(cu_q[-1]), h, d)
+    k, v = rand(int(cu_k[-1]), hk, d), rand(int(cu_k[-1]), hk, d)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, int(len_q.max()), int(len_k.max()), causal=causal,
+                                 window_size=window)
+    dout = torch.randn_like(out)
+    dq, dk, dv = grads(out, (q, k, v), dout)
+    for i in range(batch):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        if qs.stop == qs.start:
+            continue
+        args = [t[None].detach().requires_grad_() for t in (q[qs], k[ks], v[ks])]
+        ref = naive_attention(*args, causal=causal, window_size=window)
+        assert_close(out[qs], ref[0], 1e-10, f"out[seq {i}]")
+        g_ref = grads(ref, args, dout[qs][None])
+        for name, g, gr, sl in zip("qkv", (dq, dk, dv), g_ref, (qs, ks, ks)):
+            assert_close(g[sl], gr[0], 2e-5 * max(1.0, gr.abs().max().item()), f"d{name}[seq {i}]")
+
+
+def test_dropout_mask_is_reproducible_and_exact():
+    b, sq, sk, h, hk, d, p = 2, 37, 70, 4, 2, 16, 0.3
+    q, k, v = rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+    rng = torch.randint(0, 2**62, (2,))
+    args = (None, None, None, sq, sk, 0.25, True, -1, -1, 0.0, None, p, rng)
+    out, lse = reference.fwd(q, k, v, *args)
+    keep = torch.stack([reference.dropout_keep(rng, i, h, torch.arange(sq), torch.arange(sk), p) for i in range(b)])
+    assert abs(keep.double().mean().item() - (1 - p)) < 0.02
+    ref = naive_attention(q, k, v, softmax_scale=0.25, causal=True, dropout_keep_mask=keep, dropout_p=p)
+    assert_close(out, ref, 1e-10, "dropout out")
+    dout = torch.randn_like(out)
+    ours = reference.bwd(dout, q, k, v, out, lse, None, None, sq, sk, 0.25, True, -1, -1, 0.0, None, p, rng)
+    for name, g, gr in zip("qkv", ours, grads(ref, (q, k, v), dout)):
+        assert_close(g, gr, 2e-5 * max(1.0, gr.abs().max().item()), f"dropout d{name}")
+    other = reference.dropout_keep(rng + torch.tensor([0, 1]), 0, h, torch.arange(sq), torch.arange(sk), p)
+    assert not torch.equal(other, keep[0]), "a new offset must draw a new mask"
+
+
+def test_dropout_through_api_uses_torch_seed():
+    q, k, v = (torch.randn(1, 20, 2, 16) for _ in range(3))
+    torch.manual_seed(7)
+    a = flash_attn_func(q, k, v, dropout_p=0.5)
+    torch.manual_seed(7)
+    b = flash_attn_func(q, k, v, dropout_p=0.5)
+    c = flash_attn_func(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_kvcache_appends_and_attends_to_valid_prefix():
+    b, s_cache, h, hk, d = 3, 64, 4, 2, 32
+    k_cache, v_cache = torch.randn(b, s_cache, hk, d), torch.randn(b, s_cache, hk, d)
+    cache_seqlens = torch.tensor([5, 0, 40], dtype=torch.int32)
+    q, k_new, v_new = torch.randn(b, 2, h, d), torch.randn(b, 2, hk, d), torch.randn(b, 2, hk, d)
+    k_before = k_cache.clone()
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=cache_seqlens, causal=True)
+    for i, n in enumerate(cache_seqlens.tolist()):
+        assert torch.equal(k_cache[i, n:n + 2], k_new[i]) and torch.equal(k_cache[i, :n], k_before[i, :n])
+        ref = naive_attention(q[i:i + 1], k_cache[i:i + 1, :n + 2], v_cache[i:i + 1, :n + 2], causal=True)
+        assert_close(out[i:i + 1], ref, 1e-5, f"row {i}")
