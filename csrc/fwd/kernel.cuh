@@ -1,0 +1,356 @@
+// FlashAttention-2 forward on mma.sync tensor cores (sm80+).
+//
+// One CTA owns kBlockM query rows of one (batch, head) and walks the visible
+// key blocks from the last to the first (the masked diagonal block comes
+// first, so later blocks skip masking). Per key block:
+//   S = Q K^T (fp32) -> softcap / ALiBi / mask -> online softmax in the exp2
+//   domain -> (dropout) -> O += P V with P packed from S's registers.
+// O stays unnormalised until the end; the natural-log LSE goes out in fp32.
+// Shared memory holds one Q, one K and one V tile, XOR-swizzled; cp.async
+// loads V during Q K^T and the next K during softmax and P V.
+#pragma once
+#include <cmath>
+
+#include "flash.h"
+#include "fwd/traits.cuh"
+#include "tile.cuh"
+
+namespace hf_flash {
+namespace fwd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Tile copies: 8 threads cover one 64-column group of a row (a 16-byte chunk
+// each) and kThreads / 8 rows per pass. The rows a thread touches share
+// row % 8, so its swizzled offsets differ by immediates only.
+template <class Tr>
+struct CopyLane {
+  static constexpr int kRowsPerPass = Tr::kThreads / 8;
+  int row = threadIdx.x / 8, col = threadIdx.x % 8 * 8;  // first row, column (elements)
+  uint32_t smem = tile::swizzle<Tr::kRowBytes>(row, col * 2);
+  // Columns past d (d32, d96 pad their shared rows) are never copied or read.
+  __device__ __forceinline__ bool has_group(int cg) const { return cg * 64 + col < Tr::kHeadDim; }
+};
+
+// Copies kRows x d elements into a swizzled tile; rows >= valid_rows are zero-filled
+// (zero V rows keep P V finite where P is 0).
+template <class Tr, int kRows>
+__device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::T* gmem, int64_t row_stride,
+                                          int valid_rows) {
+  constexpr int kPass = CopyLane<Tr>::kRowsPerPass;
+  static_assert(kRows % kPass == 0, "whole passes per tile");
+  const CopyLane<Tr> lane;
+  const typename Tr::T* src = gmem + lane.row * row_stride + lane.col;
+#pragma unroll
+  for (int cg = 0; cg < Tr::kSmemCols / 64; ++cg) {
+    if (!lane.has_group(cg)) continue;
+#pragma unroll
+    for (int rr = 0; rr < kRows / kPass; ++rr) {
+      const bool valid = lane.row + rr * kPass < valid_rows;
+      tile::cp_async16(smem + lane.smem + rr * kPass * Tr::kRowBytes + cg * 128,
+                       valid ? src + rr * kPass * row_stride + cg * 64 : gmem, valid);
+    }
+  }
+}
+
+// Swizzled addresses of one thread's ldmatrix row: with row % 8 == lane % 8 and
+// lane_chunk in {0, 1}, 16-byte chunk 2c + lane_chunk of row + dr (dr % 8 == 0)
+// lies at base[c % 4] + (c / 4) * 128 + dr * kRowBytes, so every address in the
+// unrolled GEMMs is one of four registers plus an immediate.
+template <int kRowBytes>
+struct SwizzledRow {
+  uint32_t base[4];
+  __device__ __forceinline__ SwizzledRow(uint32_t tile_addr, int row, int lane_chunk) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) base[c] = tile_addr + tile::swizzle<kRowBytes>(row, (2 * c + lane_chunk) * 16);
+  }
+  __device__ __forceinline__ uint32_t operator()(int dr, int c) const {
+    return base[c % 4] + (c / 4) * 128 + dr * kRowBytes;
+  }
+};
+
+// S[mi][nt] += Q (this warp's slabs) K^T.
+template <class Tr>
+__device__ __forceinline__ void gemm_qk(float (&s)[Tr::kMTiles][Tr::kNTiles][4], const SwizzledRow<Tr::kRowBytes>& q,
+                                        const SwizzledRow<Tr::kRowBytes>& k) {
+#pragma unroll
+  for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
+    uint32_t a[Tr::kMTiles][4];
+#pragma unroll
+    for (int mi = 0; mi < Tr::kMTiles; ++mi) tile::ldmatrix_x4(a[mi], q(mi * 16, kk));
+#pragma unroll
+    for (int np = 0; np < Tr::kNTiles / 2; ++np) {
+      uint32_t b[4];
+      tile::ldmatrix_x4(b, k(np * 16, kk));
+      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+#pragma unroll
+      for (int mi = 0; mi < Tr::kMTiles; ++mi) {
+        tile::mma_16816<Tr::kIsBf16>(s[mi][2 * np], a[mi], b0);
+        tile::mma_16816<Tr::kIsBf16>(s[mi][2 * np + 1], a[mi], b1);
+      }
+    }
+  }
+}
+
+// P as the A operand of P V: the fp32 accumulator layout of S packs into 16-bit
+// pairs with no shuffles (k-step kk = n8 tiles 2kk, 2kk+1).
+template <class Tr>
+__device__ __forceinline__ void pack_p(uint32_t (&a)[Tr::kMTiles][Tr::kBlockN / 16][4],
+                                       const float (&p)[Tr::kMTiles][Tr::kNTiles][4]) {
+#pragma unroll
+  for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+      const float(&lo)[4] = p[mi][2 * kk];
+      const float(&hi)[4] = p[mi][2 * kk + 1];
+      a[mi][kk][0] = tile::pack2<Tr::kIsBf16>(lo[0], lo[1]);
+      a[mi][kk][1] = tile::pack2<Tr::kIsBf16>(lo[2], lo[3]);
+      a[mi][kk][2] = tile::pack2<Tr::kIsBf16>(hi[0], hi[1]);
+      a[mi][kk][3] = tile::pack2<Tr::kIsBf16>(hi[2], hi[3]);
+    }
+}
+
+// O[mi][dt] += P V.
+template <class Tr>
+__device__ __forceinline__ void gemm_pv(float (&o)[Tr::kMTiles][Tr::kDTiles][4],
+                                        const uint32_t (&p)[Tr::kMTiles][Tr::kBlockN / 16][4],
+                                        const SwizzledRow<Tr::kRowBytes>& v) {
+#pragma unroll
+  for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
+#pragma unroll
+    for (int dp = 0; dp < Tr::kDTiles / 2; ++dp) {
+      uint32_t b[4];
+      tile::ldmatrix_x4_trans(b, v(kk * 16, dp));
+      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+#pragma unroll
+      for (int mi = 0; mi < Tr::kMTiles; ++mi) {
+        tile::mma_16816<Tr::kIsBf16>(o[mi][2 * dp], p[mi][kk], b0);
+        tile::mma_16816<Tr::kIsBf16>(o[mi][2 * dp + 1], p[mi][kk], b1);
+      }
+    }
+}
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant__ FwdParams p) {
+  using T = typename Tr::T;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  constexpr int kMTiles = Tr::kMTiles, kNTiles = Tr::kNTiles, kDTiles = Tr::kDTiles;
+
+  extern __shared__ __align__(128) char smem[];
+  const uint32_t sQ = tile::smem_u32(smem), sK = sQ + Tr::kSmemQ, sV = sK + Tr::kSmemKV;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, t = lane % 4;  // accumulator row / column pair within an mma tile
+  // ldmatrix rows: A = Q rows 0-15 x k 0-7 / 8-15; B = K keys 0-7 / 8-15 (two n8 tiles) x k 0-7 / 8-15;
+  // B^T = V keys 0-7 / 8-15 x dims 0-7 / 8-15 (two n8 tiles).
+  const SwizzledRow<Tr::kRowBytes> q_frag(sQ, warp * kMTiles * 16 + (lane & 15), lane >> 4);
+  const SwizzledRow<Tr::kRowBytes> k_frag(sK, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
+  const SwizzledRow<Tr::kRowBytes> v_frag(sV, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+
+  // ---- this CTA's problem --------------------------------------------------------
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
+  const int k_start = varlen ? p.cu_seqlens_k[batch] : 0;
+  const int seqlen_q = varlen ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
+  const int seqlen_k = p.seqused_k ? p.seqused_k[batch] : varlen ? p.cu_seqlens_k[batch + 1] - k_start : p.seqlen_k;
+  const int m0 = m_block * kBlockM;
+  if (m0 >= seqlen_q) return;
+
+  // Key j is visible to query i iff i + diag - left <= j <= min(seqlen_k - 1, i + diag + right).
+  // An unbounded side reaches past both sequences, so one formula covers every mask.
+  const int diag = seqlen_k - seqlen_q;
+  const int reach = seqlen_q + seqlen_k;
+  const int left = p.window_left >= 0 ? min(p.window_left, reach) : reach;
+  const int right = p.window_right >= 0 ? min(p.window_right, reach) : reach;
+  const int m_last = min(m0 + kBlockM, seqlen_q) - 1;
+  const int n_begin = max(0, m0 + diag - left);
+  const int n_end = min(seqlen_k, m_last + diag + right + 1);
+  const int n_block_min = n_begin / kBlockN;
+  const int n_block_max = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min;
+
+  const int head_k = head / (p.h / p.h_k);
+  const T* q = static_cast<const T*>(p.q) + batch * p.q_batch_stride + int64_t(q_start + m0) * p.q_row_stride +
+               head * p.q_head_stride;
+  const T* k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + int64_t(k_start) * p.k_row_stride +
+               head_k * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + int64_t(k_start) * p.v_row_stride +
+               head_k * p.v_head_stride;
+
+  load_tile<Tr, kBlockM>(sQ, q, p.q_row_stride, seqlen_q - m0);
+  if (n_block_max > n_block_min) {
+    const int n0 = (n_block_max - 1) * kBlockN;
+    load_tile<Tr, kBlockN>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0);
+  }
+  tile::cp_async_commit();
+
+  // Rarely used features, all uniform branches.
+  const float scale_log2 = p.softmax_scale_log2;
+  const bool has_softcap = p.softcap > 0.f;
+  const float softcap_in = has_softcap ? p.softmax_scale / p.softcap : 0.f;
+  // ALiBi bias in the units of S before scaling: slope * log2(e) / scale_log2.
+  const float alibi = p.alibi_slopes ? p.alibi_slopes[batch * p.alibi_batch_stride + head] * kLog2e / scale_log2 : 0.f;
+  const bool has_dropout = p.p_dropout > 0.f;
+  const uint64_t seed = has_dropout ? uint64_t(p.rng_state[0]) : 0;
+  const uint32_t rng_offset = has_dropout ? uint32_t(p.rng_state[1]) : 0;
+
+  // Row (within the sequence) of accumulator element e of slab mi: half = e / 2.
+  const int row0 = m0 + warp * kMTiles * 16 + g;
+  auto row_of = [&](int mi, int half) { return row0 + mi * 16 + half * 8; };
+
+  float o[kMTiles][kDTiles][4] = {};
+  float row_max[kMTiles][2], row_sum[kMTiles][2];
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    row_max[mi][0] = row_max[mi][1] = -INFINITY;
+    row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  }
+
+  for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+    const int n0 = n_block * kBlockN;
+    tile::cp_async_wait<0>();
+    __syncthreads();  // K (and Q) landed; every warp is done with the previous V
+    load_tile<Tr, kBlockN>(sV, v + n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0);
+    tile::cp_async_commit();
+
+    float s[kMTiles][kNTiles][4] = {};
+    gemm_qk<Tr>(s, q_frag, k_frag);
+
+    tile::cp_async_wait<0>();
+    __syncthreads();  // V landed; every warp is done with K
+    if (n_block > n_block_min) {
+      load_tile<Tr, kBlockN>(sK, k + (n0 - kBlockN) * p.k_row_stride, p.k_row_stride, seqlen_k - n0 + kBlockN);
+    }
+    tile::cp_async_commit();
+
+    // ---- scores: softcap, ALiBi, mask (S is still q.k, unscaled) ----------------
+    if (has_softcap) {
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][nt][e] = p.softcap * tile::fast_tanh(s[mi][nt][e] * softcap_in);
+    }
+    if (alibi != 0.f) {
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int j = n0 + nt * 8 + 2 * t + (e & 1);
+            s[mi][nt][e] -= alibi * float(abs(row_of(mi, e >> 1) + diag - j));
+          }
+    }
+    const bool full_block = n0 >= m_last + diag - left && n0 + kBlockN - 1 <= min(seqlen_k - 1, m0 + diag + right);
+    if (!full_block) {
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = row_of(mi, half);
+          const int lo = i + diag - left, hi = min(seqlen_k - 1, i + diag + right);
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = n0 + nt * 8 + 2 * t + e;
+              if (j < lo || j > hi) s[mi][nt][half * 2 + e] = -INFINITY;
+            }
+        }
+    }
+
+    // ---- online softmax: P = exp2(S * scale_log2 - max), rescale O and the row sum ----
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float mx = row_max[mi][half];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][half * 2], s[mi][nt][half * 2 + 1]));
+        mx = tile::quad_max(mx);
+        const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;  // fully masked so far: P = 0, no NaN
+        const float alpha = tile::fast_exp2(row_max[mi][half] * scale_log2 - max_scaled);
+        row_max[mi][half] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = half * 2; e < half * 2 + 2; ++e) {
+            s[mi][nt][e] = tile::fast_exp2(fmaf(s[mi][nt][e], scale_log2, -max_scaled));
+            sum += s[mi][nt][e];
+          }
+        row_sum[mi][half] = row_sum[mi][half] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o[mi][dt][half * 2] *= alpha;
+          o[mi][dt][half * 2 + 1] *= alpha;
+        }
+      }
+
+    // ---- dropout on P (the row sum above stays undropped) -----------------------
+    if (has_dropout) {
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt) {
+            // Columns n0 + nt*8 + 2t + {0,1}: Philox block (j >> 2), words 2*(t&1) + {0,1}.
+            const tile::Philox4 r = tile::philox(seed, uint32_t((n0 + nt * 8) / 4 + t / 2), uint32_t(row_of(mi, half)),
+                                                 uint32_t(batch * p.h + head), rng_offset);
+            const uint32_t w0 = (t & 1) ? r.z : r.x, w1 = (t & 1) ? r.w : r.y;
+            s[mi][nt][half * 2] *= w0 >= p.dropout_threshold ? p.rp_dropout : 0.f;
+            s[mi][nt][half * 2 + 1] *= w1 >= p.dropout_threshold ? p.rp_dropout : 0.f;
+          }
+    }
+
+    uint32_t p_frag[kMTiles][kBlockN / 16][4];
+    pack_p<Tr>(p_frag, s);
+    gemm_pv<Tr>(o, p_frag, v_frag);
+  }
+
+  // ---- epilogue: normalise, LSE, O through shared memory to 16-byte stores ---------
+  tile::cp_async_wait<0>();
+  __syncthreads();  // sQ is free (also when no key block was visible)
+  float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float l = tile::quad_sum(row_sum[mi][half]);
+      const bool empty = l == 0.f;  // no visible key: O = 0, LSE = +inf
+      const float inv = empty ? 0.f : 1.f / l;
+      const int i = row_of(mi, half);
+      if (t == 0 && i < seqlen_q) lse[i] = empty ? INFINITY : (row_max[mi][half] * scale_log2 + __log2f(l)) * kLn2;
+      const int r = i - m0;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const uint32_t packed =
+            tile::pack2<Tr::kIsBf16>(o[mi][dt][half * 2] * inv, o[mi][dt][half * 2 + 1] * inv);
+        *reinterpret_cast<uint32_t*>(smem + tile::swizzle<Tr::kRowBytes>(r, (dt * 8 + 2 * t) * 2)) = packed;
+      }
+    }
+  __syncthreads();
+  T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_start + m0) * p.o_row_stride +
+           head * p.o_head_stride;
+  const CopyLane<Tr> cl;
+  constexpr int kPass = CopyLane<Tr>::kRowsPerPass;
+  T* dst = out + cl.row * p.o_row_stride + cl.col;
+#pragma unroll
+  for (int cg = 0; cg < Tr::kSmemCols / 64; ++cg) {
+    if (!cl.has_group(cg)) continue;
+#pragma unroll
+    for (int rr = 0; rr < kBlockM / kPass; ++rr) {
+      if (cl.row + rr * kPass < seqlen_q - m0) {
+        *reinterpret_cast<uint4*>(dst + rr * kPass * p.o_row_stride + cg * 64) =
+            *reinterpret_cast<const uint4*>(smem + cl.smem + rr * kPass * Tr::kRowBytes + cg * 128);
+      }
+    }
+  }
+}
+
+}  // namespace fwd
+}  // namespace hf_flash

@@ -1,0 +1,34 @@
+// Forward launch: the tile configuration per head dim, grid and shared memory.
+#pragma once
+#include "flash.h"
+#include "fwd/kernel.cuh"
+#include "fwd/traits.cuh"
+
+namespace hf_flash {
+
+// One CTA per (query block, head, batch); fwd_kernel walks the query blocks in
+// reverse so the longest causal rows start first.
+template <class Tr>
+cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  const dim3 grid((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.h, p.b);
+  if (grid.x == 0 || p.b == 0) return cudaSuccess;
+  auto kernel = &fwd::fwd_kernel<Tr>;
+  if (Tr::kSmemBytes > 48 * 1024) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Tiles (query rows x keys, warps) per head dim, measured on H100 (benchmarks/NOTES-fwd.md).
+template <bool kIsBf16, int kHeadDim>
+using FwdTraitsFor = FwdTraits<kIsBf16, kHeadDim, kHeadDim <= 128 ? 128 : 64, 64, 4>;
+
+template <bool kIsBf16, int kHeadDim>
+cudaError_t run_fwd_hdim(const FwdParams& p, cudaStream_t stream) {
+  return launch_fwd<FwdTraitsFor<kIsBf16, kHeadDim>>(p, stream);
+}
+
+}  // namespace hf_flash

@@ -1,0 +1,248 @@
+"""The CUDA forward kernel against a float32 oracle (needs a GPU and the built extension).
+
+Pass rule (flash-attn's): max|ours - ref| <= 2 * max|naive_in_input_dtype - ref| + 1e-5,
+with ref = naive attention in float32 on the same inputs. The LSE is checked against
+the float32 tiled reference (hf_flash.reference.fwd), +inf on rows with no visible key.
+"""
+
+import math
+
+import pytest
+import torch
+
+from hf_flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, ops, reference
+from hf_flash.reference import naive_attention
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.bfloat16, torch.float16)
+HEAD_DIMS = (32, 40, 64, 80, 96, 128, 192, 256)  # 40 and 80 are zero-padded to 64 / 96
+
+
+def poison_allocator():
+    """Fill freed blocks of the caching allocator with NaN, so outputs the kernel
+    leaves unwritten show up as NaN."""
+    for numel in (1 << 24, 1 << 20, 1 << 16, 1 << 12):
+        torch.full((numel,), math.nan, device="cuda")
+    torch.cuda.synchronize()
+
+
+def randn(*shape, dtype, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+def assert_close(out, ref, pt, what="out"):
+    assert not out.isnan().any(), f"{what}: NaN in the kernel output"
+    err = (out.float() - ref.float()).abs().max().item()
+    bound = 2 * (pt.float() - ref.float()).abs().max().item() + 1e-5
+    assert err <= bound, f"{what}: max error {err:.3e} > bound {bound:.3e}"
+
+
+def assert_lse(lse, lse_ref):
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isposinf(lse), torch.isposinf(lse_ref)), "LSE: +inf rows differ"
+    assert not lse.isnan().any(), "LSE: NaN"
+    torch.testing.assert_close(lse[finite], lse_ref[finite].float(), atol=2e-3, rtol=1e-3)
+
+
+def check_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
+    assert ops.backend_for(q)[0] == "cuda"
+    poison_allocator()
+    out, lse, _ = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                                  alibi_slopes=alibi, return_attn_probs=True)
+    kw = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
+    ref = naive_attention(q.float(), k.float(), v.float(), **kw)
+    pt = naive_attention(q, k, v, **kw)
+    assert_close(out, ref, pt)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    _, lse_ref = reference.fwd(q.float(), k.float(), v.float(), None, None, None, q.shape[1], k.shape[1], scale,
+                               causal, window[0], window[1], softcap, alibi, 0.0, None)
+    assert_lse(lse, lse_ref)
+    return out, lse
+
+
+# ---- dense: head dims x lengths x causal ------------------------------------------------
+
+SHAPES = [(1, 1), (1, 255), (17, 17), (113, 203), (128, 128), (255, 113), (1000, 1000), (1024, 255)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("sq,sk", SHAPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense(dtype, d, sq, sk, causal):
+    b, h = 2, 3
+    q, k, v = randn(b, sq, h, d, dtype=dtype), randn(b, sk, h, d, dtype=dtype), randn(b, sk, h, d, dtype=dtype)
+    out, lse = check_dense(q, k, v, causal=causal)
+    if causal and sq > sk:  # top rows see no key: zero output, LSE +inf
+        assert out[:, : sq - sk].eq(0).all() and lse[:, :, : sq - sk].isposinf().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("h_k", [8, 4, 1])  # GQA ratios 1, 2, 8
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa(dtype, d, h_k, causal):
+    q = randn(2, 300, 8, d, dtype=dtype)
+    k, v = randn(2, 511, h_k, d, dtype=dtype), randn(2, 511, h_k, d, dtype=dtype)
+    check_dense(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", [(16, 0), (32, 8), (-1, 20), (50, -1), (0, 0)])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (203, 113), (512, 512)])
+def test_window(dtype, d, window, sq, sk):
+    q, k, v = randn(2, sq, 2, d, dtype=dtype), randn(2, sk, 2, d, dtype=dtype), randn(2, sk, 2, d, dtype=dtype)
+    check_dense(q, k, v, window=window)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap(dtype, d, causal):
+    # Large logits so that the cap matters.
+    q, k, v = randn(2, 257, 2, d, dtype=dtype, scale=4), randn(2, 300, 2, d, dtype=dtype), randn(2, 300, 2, d, dtype=dtype)
+    check_dense(q, k, v, causal=causal, softcap=20.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_alibi(dtype, d, per_batch, causal):
+    b, h = 2, 4
+    q, k, v = randn(b, 200, h, d, dtype=dtype), randn(b, 333, h, d, dtype=dtype), randn(b, 333, h, d, dtype=dtype)
+    slopes = torch.rand(b, h, device="cuda") if per_batch else torch.rand(h, device="cuda")
+    check_dense(q, k, v, causal=causal, alibi=slopes * 0.3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softcap_alibi_window_scale(dtype):
+    q, k, v = randn(1, 333, 4, 96, dtype=dtype, scale=3), randn(1, 400, 4, 96, dtype=dtype), randn(1, 400, 4, 96, dtype=dtype)
+    check_dense(q, k, v, window=(64, 16), softcap=15.0, alibi=torch.rand(4, device="cuda") * 0.1, scale=0.2)
+
+
+def test_64bit_offsets():
+    # Rows 2^23 elements apart: most row offsets exceed 2^31 elements and must not wrap in int32.
+    s, row = 300, 1 << 23
+    big = torch.empty(s * row, dtype=torch.bfloat16, device="cuda").normal_()
+    q, k, v = (big.as_strided((1, s, 1, 64), (0, row, 64, 1), storage_offset=off) for off in (0, 64, 128))
+    poison_allocator()
+    out = flash_attn_func(q, k, v, causal=True)
+    ref = naive_attention(q.float(), k.float(), v.float(), causal=True)
+    pt = naive_attention(q, k, v, causal=True)
+    assert_close(out, ref, pt)
+
+
+# ---- varlen, KV cache ----------------------------------------------------------------------
+
+
+def cu_seqlens(lengths):
+    return torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("same_lengths", [False, True])
+def test_varlen(dtype, d, causal, same_lengths):
+    h, h_k = 4, 2
+    gen = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
+    lens_q = [0, 1, 17, 300, 128] + torch.randint(1, 400, (3,), generator=gen).tolist()
+    lens_k = list(lens_q) if same_lengths else [5, 0, 33, 129, 700] + torch.randint(0, 400, (3,), generator=gen).tolist()
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    q = randn(sum(lens_q), h, d, dtype=dtype)
+    k, v = randn(sum(lens_k), h_k, d, dtype=dtype), randn(sum(lens_k), h_k, d, dtype=dtype)
+    poison_allocator()
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                         return_attn_probs=True)
+    assert lse.shape == (h, sum(lens_q))
+    scale = d**-0.5
+    _, lse_ref = reference.fwd(q.float(), k.float(), v.float(), cu_q, cu_k, None, max(lens_q), max(lens_k), scale,
+                               causal, -1, -1, 0.0, None, 0.0, None)
+    assert_lse(lse, lse_ref)
+    oq, ok = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(lens_q)):
+        qs, ks = slice(oq[i], oq[i + 1]), slice(ok[i], ok[i + 1])
+        if lens_q[i] == 0:
+            continue
+        args = (q[None, qs], k[None, ks], v[None, ks])
+        ref = naive_attention(*(t.float() for t in args), causal=causal)
+        pt = naive_attention(*args, causal=causal)
+        assert_close(out[qs], ref[0], pt[0], what=f"sequence {i}")
+        if lens_k[i] == 0:
+            assert out[qs].eq(0).all() and lse[:, qs].isposinf().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq", [1, 5])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("append", [False, True])
+def test_kvcache(dtype, d, sq, causal, append):
+    b, h, h_k, s_cache = 4, 8, 2, 1000
+    k_cache, v_cache = randn(b, s_cache, h_k, d, dtype=dtype), randn(b, s_cache, h_k, d, dtype=dtype)
+    seqlens = torch.tensor([0, 1, 513, 900], dtype=torch.int32, device="cuda")
+    q = randn(b, sq, h, d, dtype=dtype)
+    k_new = randn(b, 3, h_k, d, dtype=dtype) if append else None
+    v_new = randn(b, 3, h_k, d, dtype=dtype) if append else None
+    poison_allocator()
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=causal,
+                                       return_softmax_lse=True)
+    used = seqlens + (3 if append else 0)
+    for i in range(b):
+        n = int(used[i])
+        args = (q[i : i + 1], k_cache[i : i + 1, :n], v_cache[i : i + 1, :n])
+        ref = naive_attention(*(t.float() for t in args), causal=causal)
+        pt = naive_attention(*args, causal=causal)
+        assert_close(out[i : i + 1], ref, pt, what=f"batch {i}")
+        if n == 0:
+            assert out[i].eq(0).all() and lse[i].isposinf().all()
+    assert not lse.isnan().any()
+
+
+# ---- dropout: the kernel's mask must equal the reference's bit for bit ----------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(113, 203), (256, 256)])
+def test_dropout(dtype, d, causal, sq, sk):
+    b, h, p = 2, 3, 0.3
+    q, k, v = randn(b, sq, h, d, dtype=dtype), randn(b, sk, h, d, dtype=dtype), randn(b, sk, h, d, dtype=dtype)
+    rng_state = torch.tensor([torch.randint(0, 2**62, ()).item(), torch.randint(0, 2**40, ()).item()],
+                             dtype=torch.int64, device="cuda")
+    scale = d**-0.5
+    args = (None, None, None, sq, sk, scale, causal, -1, -1, 0.0, None, p, rng_state)
+    out, lse = torch.ops.hf_flash.fwd(q, k, v, *args, False)
+    keep = torch.stack([reference.dropout_keep(rng_state, i, h, torch.arange(sq, device="cuda"),
+                                               torch.arange(sk, device="cuda"), p) for i in range(b)])
+    ref = naive_attention(q.float(), k.float(), v.float(), causal=causal, dropout_keep_mask=keep, dropout_p=p)
+    pt = naive_attention(q, k, v, causal=causal, dropout_keep_mask=keep, dropout_p=p)
+    assert_close(out, ref, pt)
+    assert_lse(lse, reference.fwd(q.float(), k.float(), v.float(), *args)[1])  # dropout leaves the LSE alone
+
+
+# ---- torch integration ----------------------------------------------------------------------
+
+
+def _op_args(dtype=torch.bfloat16):
+    q, k, v = randn(2, 77, 4, 64, dtype=dtype), randn(2, 130, 2, 64, dtype=dtype), randn(2, 130, 2, 64, dtype=dtype)
+    return (q, k, v, None, None, None, 77, 130, 0.125, True, -1, -1, 0.0, None, 0.0, None)
+
+
+def test_opcheck_cuda_fwd():
+    torch.library.opcheck(torch.ops.hf_flash._cuda_fwd.default, _op_args())
+
+
+def test_opcheck_fwd():
+    torch.library.opcheck(torch.ops.hf_flash.fwd.default, (*_op_args(), False))
+
+
+def test_compile_fullgraph():
+    q, k, v = randn(2, 300, 4, 128, dtype=torch.bfloat16), randn(2, 300, 4, 128, dtype=torch.bfloat16), \
+        randn(2, 300, 4, 128, dtype=torch.bfloat16)
+    compiled = torch.compile(flash_attn_func, fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, causal=True), flash_attn_func(q, k, v, causal=True), atol=0, rtol=0)
