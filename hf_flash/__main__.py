@@ -8,6 +8,7 @@ USAGE = """usage: python -m hf_flash COMMAND [options]
 
 commands:
   env    versions, GPU, and which attention path runs (and why)
+  coverage  run every transformers text model type on hf_flash vs eager (--markdown, --only TYPE...)
   demo   fine-tune a small Llama with Trainer on hf_flash, generate, compare perplexity with sdpa
 """
 
@@ -23,6 +24,10 @@ def main(argv=None) -> int:
 
         print(hf_flash.env_report())
         return 0
+    if command == "coverage":
+        from hf_flash.coverage import main as coverage
+
+        return coverage(rest)
     if command == "demo":
         from hf_flash.demo import main as demo
 

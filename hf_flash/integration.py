@@ -114,6 +114,9 @@ def register() -> bool:
     AttentionMaskInterface.register(NAME, flash_attention_mask)
     _install_lazy_import_hook(mfau)
     _allow_in_model_flash_lists()
+    from .patches import install as _install_model_patches  # legacy families: patch at load, or refuse
+
+    _install_model_patches()
     try:  # continuous batching (generate_batch, paged cache) asks for "paged|<name>" in 5.17
         from transformers.integrations.flash_paged import paged_attention_forward
 

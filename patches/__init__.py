@@ -1,0 +1,222 @@
+"""Per-model patches for transformers models that bypass the attention interface.
+
+Installed as ``hf_flash.patches``. Most transformers text models call the
+function registered for ``config._attn_implementation`` and run on hf_flash
+as is. Older families compute attention themselves: some fail at load with a
+``KeyError`` (gpt_neo, gptj, falcon), some crash on our padding mask, some
+silently run eager math. Each module here rebinds one family's attention so
+it runs on hf_flash kernels; ``MODEL_TYPE_TO_PATCH`` maps ``config.model_type``
+to its ``apply_hf_flash_to_<type>(model=None)`` function (Liger's pattern).
+
+When it happens:
+
+* ``from_pretrained`` / ``from_config`` / ``Model(config)`` with
+  ``attn_implementation="hf_flash"``: :func:`install` hooks transformers'
+  attention check (prepares the class tables before the modules are built,
+  and refuses unsupported types) and ``post_init`` (binds the patch on the
+  built modules);
+* ``hf_flash.patch(model)`` on a built model (any implementation, PEFT
+  wrappers included) switches it to hf_flash and binds the patches;
+* ``model.set_attn_implementation("hf_flash")`` goes through the same check.
+
+Anything else that would not run on hf_flash raises
+:class:`UnsupportedModelError` at load, naming the model type and the
+supported families: never a crash mid-forward, never silent eager math.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+import sys
+from typing import Callable, Optional
+
+from ._common import NAME, uses_hf_flash
+
+# model_type -> patch module in this package; each defines apply_hf_flash_to_<model_type>(model=None)
+PATCH_MODULES = {
+    "bloom": "bloom",
+    "codegen": "codegen",
+    "falcon": "falcon",
+    "gpt_neo": "gpt_neo",
+    "gpt_neox_japanese": "gpt_neox_japanese",
+    "gptj": "gptj",
+    "mpt": "mpt",
+    "xglm": "xglm",
+}
+
+# Types that use transformers' attention interface but still cannot run on hf_flash, with the reason.
+REFUSED: dict[str, str] = {}
+
+
+class UnsupportedModelError(ValueError):
+    """This model type cannot run on hf_flash (raised at load, never mid-forward)."""
+
+
+def patch_function(model_type: str) -> Callable:
+    """The ``apply_hf_flash_to_<model_type>`` function for a type in the table."""
+    module = importlib.import_module(f"{__name__}.{PATCH_MODULES[model_type]}")
+    return getattr(module, f"apply_hf_flash_to_{model_type}")
+
+
+class _LazyTable(dict):
+    """``MODEL_TYPE_TO_PATCH[type]`` imports the patch module on first use."""
+
+    def __missing__(self, key):
+        if key not in PATCH_MODULES:
+            raise KeyError(key)
+        self[key] = fn = patch_function(key)
+        return fn
+
+    def __contains__(self, key):
+        return key in PATCH_MODULES
+
+    def __iter__(self):
+        return iter(PATCH_MODULES)
+
+    def __len__(self):
+        return len(PATCH_MODULES)
+
+    def keys(self):
+        return PATCH_MODULES.keys()
+
+    def items(self):
+        return [(k, self[k]) for k in PATCH_MODULES]
+
+    def values(self):
+        return [self[k] for k in PATCH_MODULES]
+
+
+MODEL_TYPE_TO_PATCH: dict[str, Callable] = _LazyTable()
+
+
+def supported_summary() -> str:
+    return ("hf_flash runs every transformers model that routes attention through its attention interface, "
+            f"plus these patched families: {', '.join(sorted(PATCH_MODULES))}")
+
+
+@functools.lru_cache(maxsize=None)
+def _module_routes_attention(module_name: str) -> Optional[bool]:
+    """True if the modeling module calls the attention interface, False if it defines its own
+    attention modules without it, None if it defines no attention module (a wrapper or attention-free)."""
+    module = sys.modules.get(module_name)
+    path = getattr(module, "__file__", None)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except OSError:
+        return None
+    if "ALL_ATTENTION_FUNCTIONS" in source:
+        return True
+    if re.search(r"^class \w*(Attention|Attn)\w*\(nn\.Module\)", source, re.M):
+        return False
+    return None
+
+
+def _refusal(model_type: str, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"model type {model_type!r} cannot run on attn_implementation='hf_flash': {why}. "
+        f"{supported_summary()}. Load it with attn_implementation='eager' or 'sdpa'.")
+
+
+def check_supported(model_cls, config) -> None:
+    """Raise :class:`UnsupportedModelError` unless ``model_cls`` with ``config`` runs on hf_flash."""
+    model_type = getattr(config, "model_type", None) or "<unknown>"
+    if model_type in PATCH_MODULES:
+        module = importlib.import_module(f"{__name__}.{PATCH_MODULES[model_type]}")
+        reason = getattr(module, "unsupported", lambda c: None)(config)
+        if reason:
+            raise _refusal(model_type, reason)
+        return
+    if model_type in REFUSED:
+        raise _refusal(model_type, REFUSED[model_type])
+    if _module_routes_attention(model_cls.__module__) is False:
+        raise _refusal(model_type, f"{model_cls.__name__} computes attention itself (it does not call "
+                                   "transformers' attention interface) and hf_flash has no patch for it yet")
+
+
+def _attention_module_count(model) -> int:
+    pattern = re.compile(r"(Attention|Attn)$|SelfAttention|MultiHeadAttention")
+    return sum(1 for m in model.modules() if pattern.search(type(m).__name__))
+
+
+def _apply(model, model_type: str) -> None:
+    MODEL_TYPE_TO_PATCH[model_type](model=model)
+
+
+def _pretrained_models(model):
+    """Every transformers PreTrainedModel inside ``model`` (PEFT wrappers, composite models)."""
+    from transformers import PreTrainedModel
+
+    return [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+
+
+def patch(model):
+    """Switch an already-built model (PEFT-wrapped included) to hf_flash, in place; returns it.
+
+    Refuses (:class:`UnsupportedModelError`) before changing anything if a model inside
+    cannot run on hf_flash.
+    """
+    inner = _pretrained_models(model)
+    if not inner:
+        raise TypeError(f"hf_flash.patch expects a transformers model (or a wrapper of one), got "
+                        f"{type(model).__name__}")
+    for m in inner:
+        check_supported(type(m), m.config)
+    for m in inner:
+        m.config._attn_implementation = NAME
+    seen = set()
+    for m in inner:
+        model_type = m.config.model_type
+        if model_type in PATCH_MODULES and id(m.config) not in seen:
+            seen.add(id(m.config))
+            _apply(m, model_type)
+    return model
+
+
+_HOOKED = "_hf_flash_hooked"
+
+
+def install() -> None:
+    """Hook transformers so that loading with hf_flash prepares, patches or refuses (idempotent)."""
+    from transformers import PreTrainedModel
+
+    check = PreTrainedModel._check_and_adjust_attn_implementation
+    if not getattr(check, _HOOKED, False):
+        @functools.wraps(check)
+        def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+            if isinstance(attn_implementation, str) and attn_implementation.removeprefix("paged|") == NAME:
+                check_supported(type(self), self.config)
+                model_type = getattr(self.config, "model_type", None)
+                if model_type in PATCH_MODULES:
+                    MODEL_TYPE_TO_PATCH[model_type]()  # class tables, before the modules are built
+                    if any(True for _ in self.children()):  # set_attn_implementation on a built model
+                        _apply(self, model_type)
+            return check(self, attn_implementation, *args, **kwargs)
+
+        setattr(_check_and_adjust_attn_implementation, _HOOKED, True)
+        PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
+
+    post_init = PreTrainedModel.post_init
+    if not getattr(post_init, _HOOKED, False):
+        @functools.wraps(post_init)
+        def _post_init(self, *args, **kwargs):
+            out = post_init(self, *args, **kwargs)
+            config = getattr(self, "config", None)
+            if config is not None and uses_hf_flash(config):
+                model_type = getattr(config, "model_type", None)
+                if model_type in PATCH_MODULES:
+                    _apply(self, model_type)
+                elif _attention_module_count(self) == 0 and _module_routes_attention(type(self).__module__) is None:
+                    raise _refusal(model_type, f"{type(self).__name__} has no attention layers for hf_flash to run")
+            return out
+
+        setattr(_post_init, _HOOKED, True)
+        PreTrainedModel.post_init = _post_init
+
+
+__all__ = ["MODEL_TYPE_TO_PATCH", "PATCH_MODULES", "REFUSED", "UnsupportedModelError", "check_supported", "install",
+           "patch", "patch_function", "supported_summary"]

@@ -1,0 +1,103 @@
+"""Shared pieces of the per-model patches: the attention call and instance binding.
+
+A patch never changes a module's parameters or buffers (state-dict keys stay
+as they are); it binds a replacement method on each attention module instance
+(``module.__dict__``), so other models of the same class in the process are
+untouched. The bound method checks the model's config at call time and falls
+back to the class's own method once the model is switched away from hf_flash
+(``set_attn_implementation("eager")``).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable, Optional
+
+import torch
+
+NAME = "hf_flash"
+
+
+def attend(query, key, value, attention_mask, *, causal: bool, scale: float, dropout: float = 0.0,
+           window_left: int = -1, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention through hf_flash's kernels.
+
+    ``query`` ``(B, Hq, Sq, D)``, ``key``/``value`` ``(B, Hk, Sk, D)`` (the layout
+    these legacy modules use); ``attention_mask`` is the 2-D ``(B, Sk)`` padding
+    mask that transformers builds for flash implementations (1 = token), or None.
+    ``window_left=w`` lets query i see keys ``i-w .. i``. ALiBi slopes are
+    float32 ``(Hq,)``. Returns ``(B, Sq, Hq, D)``.
+    """
+    from hf_flash.interface import flash_attn_func, flash_attn_varlen_func
+
+    if attention_mask is not None and attention_mask.dim() != 2:
+        from hf_flash.integration import UnsupportedAttentionError
+
+        raise UnsupportedAttentionError(f"hf_flash patches take a 2-D padding mask, got {attention_mask.dim()}-D")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    window = (window_left, 0 if causal else -1) if window_left >= 0 else (-1, -1)
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.to(device=q.device, dtype=torch.float32)
+    if attention_mask is None or bool(attention_mask.all()):
+        return flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=scale, causal=causal, window_size=window,
+                               alibi_slopes=alibi_slopes)
+    b, sq = q.shape[:2]
+    mask_k = attention_mask.bool()
+    mask_q = mask_k[:, -sq:]  # queries are the last sq positions (left padding, or prefill without cache)
+    q_u, idx_q, cu_q, max_q = _unpad(q, mask_q)
+    k_u, _, cu_k, max_k = _unpad(k, mask_k)
+    v_u = _unpad(v, mask_k)[0]
+    out = flash_attn_varlen_func(q_u, k_u, v_u, cu_q, cu_k, max_q, max_k, dropout_p=dropout, softmax_scale=scale,
+                                 causal=causal, window_size=window, alibi_slopes=alibi_slopes)
+    padded = out.new_zeros(b * sq, *out.shape[1:])
+    padded = padded.index_copy(0, idx_q, out)
+    return padded.view(b, sq, *out.shape[1:])
+
+
+def _unpad(x, mask):
+    lengths = mask.sum(-1, dtype=torch.int32)
+    idx = mask.flatten().nonzero().squeeze(-1)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return x.reshape(-1, *x.shape[2:]).index_select(0, idx), idx, cu, int(lengths.max())
+
+
+def dropout_p(module, attr: str = "attn_dropout") -> float:
+    """The attention dropout a module applies in training (an nn.Dropout attribute or a float)."""
+    if not module.training:
+        return 0.0
+    d = getattr(module, attr, 0.0)
+    return float(d.p if isinstance(d, torch.nn.Dropout) else (d or 0.0))
+
+
+def uses_hf_flash(config) -> bool:
+    impl = getattr(config, "_attn_implementation", None)
+    return isinstance(impl, str) and impl.removeprefix("paged|") == NAME
+
+
+def bind(module: torch.nn.Module, name: str, fn: Callable, config) -> None:
+    """Bind ``fn`` as ``module.<name>`` (this instance only), active while ``config`` asks for hf_flash."""
+    original = getattr(type(module), name)
+    module._hf_flash_config = config  # a plain attribute: no parameter or buffer, so no state-dict key
+
+    def method(self, *args, **kwargs):
+        if uses_hf_flash(self._hf_flash_config):
+            return fn(self, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    method.__name__ = name
+    method._hf_flash_patch = fn
+    module.__dict__[name] = types.MethodType(method, module)
+
+
+def is_patched(module: torch.nn.Module, name: str = "forward") -> bool:
+    return hasattr(module.__dict__.get(name), "_hf_flash_patch")
+
+
+def bind_all(model: torch.nn.Module, classes, name: str, fn: Callable, config) -> int:
+    """Bind ``fn`` on every submodule of one of ``classes``; returns how many."""
+    n = 0
+    for module in model.modules():
+        if isinstance(module, classes):
+            bind(module, name, fn, config)
+            n += 1
+    return n

@@ -1,0 +1,28 @@
+"""GPT-Neo: alternating global and local (sliding-window) causal attention.
+
+Loading with hf_flash would fail with a KeyError in ``GPT_NEO_ATTENTION_CLASSES``;
+the eager class is used and its score computation ``_attn`` runs on hf_flash.
+GPT-Neo does not scale its scores (softmax scale 1.0); a local layer lets token
+i see the ``window_size`` tokens ``i-window_size+1 .. i``.
+"""
+
+from __future__ import annotations
+
+from ._common import NAME, attend, bind_all, dropout_p
+
+MODULE = "transformers.models.gpt_neo.modeling_gpt_neo"
+
+
+def _attn(self, query, key, value, attention_mask=None):
+    window = self.config.window_size - 1 if self.attention_type == "local" else -1
+    out = attend(query, key, value, attention_mask, causal=True, scale=1.0, dropout=dropout_p(self),
+                 window_left=window)
+    return out.transpose(1, 2), None
+
+
+def apply_hf_flash_to_gpt_neo(model=None):
+    from transformers.models.gpt_neo import modeling_gpt_neo as m
+
+    m.GPT_NEO_ATTENTION_CLASSES.setdefault(NAME, m.GPTNeoSelfAttention)
+    if model is not None:
+        return bind_all(model, m.GPTNeoSelfAttention, "_attn", _attn, model.config)
