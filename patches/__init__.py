@@ -34,6 +34,8 @@ from typing import Callable, Optional
 
 from ._common import NAME, uses_hf_flash
 
+MAX_HEAD_DIM = 256  # hf_flash.interface.MAX_HEAD_DIM (not imported: this package loads before torch ops)
+
 # model_type -> patch module in this package; each defines apply_hf_flash_to_<model_type>(model=None)
 PATCH_MODULES = {
     "bloom": "bloom",
@@ -133,6 +135,10 @@ def check_supported(model_cls, config) -> None:
         return
     if model_type in REFUSED:
         raise _refusal(model_type, REFUSED[model_type])
+    for attr in ("head_dim", "global_head_dim", "v_head_dim"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > MAX_HEAD_DIM:
+            raise _refusal(model_type, f"config.{attr}={value} is above hf_flash's maximum head dim {MAX_HEAD_DIM}")
     if _module_routes_attention(model_cls.__module__) is False:
         raise _refusal(model_type, f"{model_cls.__name__} computes attention itself (it does not call "
                                    "transformers' attention interface) and hf_flash has no patch for it yet")
@@ -180,6 +186,27 @@ def patch(model):
 _HOOKED = "_hf_flash_hooked"
 
 
+def _fix_target_dtype_for_conv1d() -> None:
+    """transformers' flash wrapper finds the model dtype from the first ``nn.Linear`` of an attention
+    module when the query is fp32; GPT-2-style modules (``Conv1D``) have none and it raises StopIteration.
+    Fall back to the module's first floating parameter (the wrapper's own result in every other case)."""
+    from transformers.integrations import flash_attention as fa
+
+    original = fa.get_target_dtype
+    if getattr(original, _HOOKED, False):
+        return
+
+    @functools.wraps(original)
+    def get_target_dtype(query, module):
+        try:
+            return original(query, module)
+        except StopIteration:
+            return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+
+    setattr(get_target_dtype, _HOOKED, True)
+    fa.get_target_dtype = get_target_dtype
+
+
 def install() -> None:
     """Hook transformers so that loading with hf_flash prepares, patches or refuses (idempotent)."""
     from transformers import PreTrainedModel
@@ -200,6 +227,7 @@ def install() -> None:
         setattr(_check_and_adjust_attn_implementation, _HOOKED, True)
         PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
 
+    _fix_target_dtype_for_conv1d()
     post_init = PreTrainedModel.post_init
     if not getattr(post_init, _HOOKED, False):
         @functools.wraps(post_init)

@@ -1,0 +1,110 @@
+"""Meta-tests of hf_flash.patches (Liger's pattern): the table, instance patching, PEFT, state dicts, refusals."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import hf_flash  # noqa: E402
+from hf_flash import patches  # noqa: E402
+from hf_flash.coverage import build, tiny_config  # noqa: E402
+from hf_flash.patches import MODEL_TYPE_TO_PATCH, PATCH_MODULES, UnsupportedModelError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("model_type", sorted(PATCH_MODULES))
+def test_table_entry_importable_with_model_argument(model_type):
+    fn = MODEL_TYPE_TO_PATCH[model_type]
+    assert fn.__name__ == f"apply_hf_flash_to_{model_type}"
+    params = inspect.signature(fn).parameters
+    assert "model" in params and params["model"].default is None
+    module = inspect.getmodule(fn)
+    assert module.__name__ == f"hf_flash.patches.{PATCH_MODULES[model_type]}"
+    __import__(module.MODULE)  # the transformers module it patches exists in this version
+
+
+def test_every_patch_module_is_in_the_table():
+    files = {p.stem for p in (ROOT / "patches").glob("*.py") if not p.stem.startswith("_")}
+    assert files == set(PATCH_MODULES.values())
+
+
+def test_packaging_lists_every_subpackage():
+    """pyproject lists packages explicitly (patches/ is mapped to hf_flash.patches)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    listed = set(re.search(r"^packages = \[(.*)\]", text, re.M).group(1).replace('"', "").replace(" ", "").split(","))
+    found = {"hf_flash"} | {f"hf_flash.{p.parent.name}" for p in (ROOT / "hf_flash").glob("*/__init__.py")}
+    assert found | {"hf_flash.patches"} == listed
+    assert hf_flash.patches.__file__ == str(ROOT / "patches" / "__init__.py") or "site-packages" in hf_flash.patches.__file__
+
+
+@pytest.mark.parametrize("model_type", sorted(PATCH_MODULES))
+def test_patch_keeps_state_dict_and_matches_eager(model_type, kernel_calls):
+    config = tiny_config(model_type)
+    eager = build(model_type, config, "eager").eval()
+    keys = list(eager.state_dict())
+    ids = torch.randint(3, 100, (2, 9))
+    mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
+    expected = eager(input_ids=ids, attention_mask=mask).logits
+    assert kernel_calls["fwd"] == 0
+    assert hf_flash.patch(eager) is eager
+    assert list(eager.state_dict()) == keys
+    actual = eager(input_ids=ids, attention_mask=mask).logits
+    assert kernel_calls["fwd"] == config.num_hidden_layers if hasattr(config, "num_hidden_layers") else kernel_calls["fwd"] > 0
+    valid = mask.bool()
+    torch.testing.assert_close(actual[valid], expected[valid], atol=5e-5, rtol=1e-4)
+    loaded = build(model_type, config, "hf_flash")
+    assert list(loaded.state_dict()) == keys
+    # switching back to eager falls back to the class's own code
+    eager.set_attn_implementation("eager") if model_type not in ("gpt_neo", "gptj", "falcon") else None
+
+
+def test_patch_on_peft_wrapped_model(kernel_calls):
+    peft = pytest.importorskip("peft")
+    config = tiny_config("gptj")
+    model = build("gptj", config, "eager").eval()
+    ids = torch.randint(3, 100, (1, 7))
+    expected = model(input_ids=ids).logits
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    hf_flash.patch(wrapped)
+    actual = wrapped(input_ids=ids).logits
+    assert kernel_calls["fwd"] == config.n_layer
+    torch.testing.assert_close(actual, expected, atol=5e-5, rtol=1e-4)  # LoRA B starts at zero
+    assert all(k in wrapped.state_dict() for k in wrapped.state_dict())
+
+
+def test_unpatched_bypassing_model_refuses_at_load():
+    config = tiny_config("xlnet")
+    with pytest.raises(UnsupportedModelError, match=r"'xlnet'.*gpt_neo"):
+        build("xlnet", config, "hf_flash")
+    model = build("xlnet", config, "eager")
+    with pytest.raises(UnsupportedModelError, match="xlnet"):
+        hf_flash.patch(model)
+    assert model.config._attn_implementation == "eager"  # refused before changing anything
+
+
+def test_attention_free_model_refuses_at_load():
+    with pytest.raises(UnsupportedModelError, match="no attention layers"):
+        build("mamba", tiny_config("mamba"), "hf_flash")
+
+
+def test_other_models_of_a_patched_class_are_untouched(kernel_calls):
+    config = tiny_config("bloom")
+    flash = build("bloom", copy.deepcopy(config), "hf_flash")  # from_config keeps the config object
+    eager = build("bloom", copy.deepcopy(config), "eager")
+    ids = torch.randint(3, 100, (1, 5))
+    eager(input_ids=ids)
+    assert kernel_calls["fwd"] == 0
+    flash(input_ids=ids)
+    assert kernel_calls["fwd"] == config.n_layer
+    assert patches._common.is_patched(flash.transformer.h[0].self_attention)
+    assert not patches._common.is_patched(eager.transformer.h[0].self_attention)
