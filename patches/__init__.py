@@ -49,7 +49,18 @@ PATCH_MODULES = {
 }
 
 # Types that use transformers' attention interface but still cannot run on hf_flash, with the reason.
-REFUSED: dict[str, str] = {}
+_SINKS = "its attention uses learned sinks (s_aux), which hf_flash does not implement"
+_CROSS = ("its encoder-decoder cross-attention with a padded encoder batch does not match eager through "
+          "transformers' flash wrapper (the key padding mask is sliced to the query length)")
+_BIAS = "it adds a learned relative position bias to the scores, which a 2-D flash padding mask cannot carry"
+_MASK = "it builds custom 4-D attention masks that flash attention cannot express"
+REFUSED: dict[str, str] = {
+    "gpt_oss": _SINKS, "granite_swa": _SINKS, "granitemoe_swa": _SINKS, "deepseek_v4": _SINKS,
+    "mimo_v2_flash": "it pins its own flash kernels (_compatible_flash_implementations)",
+    "t5": _BIAS, "mt5": _BIAS, "umt5": _BIAS, "longt5": _BIAS, "switch_transformers": _BIAS, "pop2piano": _BIAS,
+    "m2m_100": _CROSS, "nllb-moe": _CROSS, "pegasus": _CROSS, "pegasus_x": _CROSS, "bigbird_pegasus": _CROSS,
+    "doge": _MASK, "hy_v4": _MASK, "markuplm": _MASK, "inkling_text": _MASK,
+}
 
 
 class UnsupportedModelError(ValueError):
