@@ -5,6 +5,8 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=${HF_FLASH_CUDA_ARCHS:-90a}  # sm_80 is compile-checked off-device
 cd "$(dirname "$0")/.." && export PYTHONPATH=$PWD
+# pyproject installs top-level patches/ as hf_flash.patches; mirror that for the uninstalled checkout.
+[ -e hf_flash/patches ] || ln -s ../patches hf_flash/patches
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"tune test sanitize bench"}
