@@ -174,6 +174,11 @@ def run(args) -> None:
     if unknown:
         raise SystemExit(f"unknown --mode {sorted(unknown)}; choose from {MODES}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    from hf_flash import ops
+
+    backend, reason = ops.backend_for(torch.empty(1, 1, 1, 64, device="cuda", dtype=dtype))
+    if backend != "cuda":
+        raise SystemExit(f"hf_flash would run its PyTorch reference here ({reason}); build the extension first")
     seqlens = QUICK_SEQLENS if args.quick else SEQLENS
     head_dims = [int(d) for d in args.head_dims.split(",")]
     hf_bwd = any(m != "fwd" for m in modes) and _hf_flash_backward_built()
