@@ -18,6 +18,15 @@ namespace {
 
 constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
 
+// The kernels load rows with 16-byte cp.async: last dim contiguous, aligned base and strides.
+void check_rows(const at::Tensor& t) {
+  TORCH_CHECK(t.stride(-1) == 1, "hf_flash: the last dimension of q, k, v, out, dout must be contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "hf_flash: tensors must be 16-byte aligned");
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
+    TORCH_CHECK(t.stride(i) % 8 == 0, "hf_flash: strides must be multiples of 8 elements");
+  }
+}
+
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool varlen) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "hf_flash: q, k, v must be CUDA tensors");
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
@@ -26,8 +35,7 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bo
               "hf_flash: q, k, v must share a dtype");
   const int64_t dims = varlen ? 3 : 4;
   TORCH_CHECK(q.dim() == dims && k.dim() == dims && v.dim() == dims, "hf_flash: q, k, v must be ", dims, "-D");
-  TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1,
-              "hf_flash: the last dimension of q, k, v must be contiguous");
+  for (const auto* t : {&q, &k, &v}) check_rows(*t);
   const int64_t d = q.size(-1);
   bool known = false;
   for (int hd : kHeadDims) known |= (d == hd);
@@ -142,8 +150,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_bwd(
   const bool varlen = cu_seqlens_q.has_value();
   check_qkv(q, k, v, varlen);
   check_arch();
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() && dout.stride(-1) == 1 && out.stride(-1) == 1,
-              "hf_flash: dout and out must have q's shape and a contiguous last dimension");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "hf_flash: dout and out must have q's shape");
+  check_rows(dout);
+  check_rows(out);
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous(), "hf_flash: lse must be contiguous float32");
   c10::cuda::CUDAGuard guard(q.device());
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);

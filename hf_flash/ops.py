@@ -75,14 +75,16 @@ def uses_kernels(q: Tensor) -> bool:
 
 def _for_kernel(x):
     """Q/K/V-like tensors as the kernels take them: a compiled head dim (zero
-    padding does not change q.k or add output columns), last dim contiguous."""
+    padding does not change q.k or add output columns), 16-byte aligned rows."""
     if not isinstance(x, Tensor) or x.dim() < 3 or x.dtype not in KERNEL_DTYPES:
         return x
     d = x.shape[-1]
     kd = kernel_head_dim(d)
     if kd != d:
         return torch.nn.functional.pad(x, (0, kd - d))
-    return x if x.stride(-1) == 1 else x.contiguous()
+    # 16-byte cp.async loads need aligned base pointers and row/head/batch strides.
+    aligned = x.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in x.stride()[:-1])
+    return x if x.stride(-1) == 1 and aligned else x.contiguous()
 
 
 def _lse_shape(q: Tensor, varlen: bool):
