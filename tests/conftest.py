@@ -26,3 +26,21 @@ def _fresh_seed():
     seed = random.randrange(2**31)
     torch.manual_seed(seed)
     yield seed
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts hf_flash's forward/backward calls on the CPU path (hf_flash.reference),
+    so that a model silently running eager/sdpa math instead cannot pass a test."""
+    import hf_flash.reference
+
+    calls = {"fwd": 0, "bwd": 0}
+    for kind in calls:
+        original = getattr(hf_flash.reference, kind)
+
+        def spy(*args, _kind=kind, _original=original, **kwargs):
+            calls[_kind] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(hf_flash.reference, kind, spy)
+    return calls
