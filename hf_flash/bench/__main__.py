@@ -1,16 +1,18 @@
 import argparse
 import sys
 
-from . import kernels
+from . import e2e, kernels
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hf_flash.bench")
     sub = parser.add_subparsers(dest="command", required=True)
-    kernels.add_arguments(sub.add_parser("kernels", help="attention kernels: hf_flash vs the SDPA backends"))
+    commands = {"kernels": (kernels, "attention kernels: hf_flash vs the SDPA backends"),
+                "e2e": (e2e, "whole-model training and generation: hf_flash vs sdpa, flex_attention, eager")}
+    for name, (module, help_text) in commands.items():
+        module.add_arguments(sub.add_parser(name, help=help_text))
     args = parser.parse_args(argv)
-    if args.command == "kernels":
-        kernels.run(args)
+    commands[args.command][0].run(args)
 
 
 if __name__ == "__main__":
