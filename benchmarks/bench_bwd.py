@@ -10,6 +10,7 @@ SDPA the autograd backward of its flash forward.
 import argparse
 import csv
 import datetime
+import os
 import sys
 
 import torch
@@ -42,17 +43,22 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--csv", default=None)
     parser.add_argument("--seqlens", default="2048,4096,16384")
+    parser.add_argument("--dims", default="64,128")
+    parser.add_argument("--causal", default="no,yes", help="no, yes or no,yes")
+    parser.add_argument("--no-det", action="store_true", help="skip the deterministic-mode rows")
     args = parser.parse_args()
+    dims = [int(x) for x in args.dims.split(",")]
+    causals = [c == "yes" for c in args.causal.split(",")]
     gpu, date = torch.cuda.get_device_name(), datetime.date.today().isoformat()
     rows = []
-    for d in (64, 128):
-        for causal in (False, True):
+    for d in dims:
+        for causal in causals:
             for s in map(int, args.seqlens.split(",")):
                 ours, sdpa = bench(d, s, causal)
-                rows.append(dict(gpu=gpu, date=date, torch=torch.__version__, d=d, causal=causal, seqlen=s,
+                rows.append(dict(gpu=gpu, date=date, torch=torch.__version__, variant=os.environ.get("HF_FLASH_BWD_VARIANT", "0"), d=d, causal=causal, seqlen=s,
                                  deterministic=False, ours_tflops=round(ours, 1), sdpa_flash_tflops=round(sdpa, 1),
                                  ratio=round(ours / sdpa, 3)))
-    for d in (64, 128):  # deterministic-mode cost at the first sequence length, non-causal
+    for d in [] if args.no_det or False not in causals else dims:  # deterministic cost, first S, non-causal
         base = next(r for r in rows if r["d"] == d and not r["causal"])
         det, _ = bench(d, base["seqlen"], False, deterministic=True)
         rows.append(dict(base, deterministic=True, ours_tflops=round(det, 1),
@@ -62,7 +68,8 @@ def main():
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-    print(f"# {gpu}, torch {torch.__version__}, {date}, command: {' '.join(sys.argv)}")
+    variant = os.environ.get("HF_FLASH_BWD_VARIANT", "0")
+    print(f"# {gpu}, torch {torch.__version__}, {date}, variant {variant}, command: {' '.join(sys.argv)}")
     print("d    causal  S      det   ours  sdpa-flash  ratio")
     for r in rows:
         print(f"{r['d']:<4} {str(r['causal']):<7} {r['seqlen']:<6} {str(r['deterministic']):<5} "

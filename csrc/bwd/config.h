@@ -10,7 +10,6 @@ namespace hf_flash {
 namespace bwd {
 
 constexpr int kThreads = 256;  // 8 warps
-constexpr int kBlockM = 64;    // query rows per inner iteration
 // Keys per CTA: 128 up to d128, 64 above (dK/dV accumulators and smem).
 __host__ __device__ constexpr int block_n(int d) { return d <= 128 ? 128 : 64; }
 // Deterministic mode: at most this many private fp32 dQ accumulators.

@@ -1,152 +1,72 @@
-// FlashAttention-2 backward on mma.sync (sm80+). Three kernels:
-//   dot_do_o  D = rowsum(dO * O)                       (workspace, fp32)
-//   main      one CTA per (key block, kv head, batch): K/V resident in smem,
-//             dK/dV in registers, loop over the query heads of the GQA group
-//             and their query blocks, P recomputed from the saved LSE,
-//             dQ added into an fp32 accumulator with atomics
-//   convert   dQ = sum of the fp32 accumulator copies, to fp16/bf16
-// Shared-memory rows are padded by 16 bytes, which makes the 8 row addresses
-// of every ldmatrix phase land in 8 different 16-byte bank groups for all
-// head dims (the XOR swizzle needs rows of a multiple of 128 bytes).
+// FlashAttention-2 backward on mma.sync (sm80+), v2 main kernel for d <= 128.
+// One CTA (8 warps) per (block of 128 keys, kv head, batch): K/V resident in
+// smem, dK/dV in registers, loop over the query heads of the GQA group and
+// their query blocks (Q, dO, LSE, D double-buffered by cp.async). Per query
+// block, two phases and two barriers:
+//   AB  warp w owns keys 16w..16w+15: S^T = K Q^T and dP^T = V dO^T, P and dS
+//       recomputed in registers, packed to 16-bit A fragments that feed
+//       dV += P^T dO and dK += dS^T Q directly (no smem round trip); dS^T is
+//       also stored to smem for phase C
+//   C   dQ = dS K, added into the fp32 accumulator (8-byte vector reductions
+//       on sm90)
+// The v1 kernel (kernel_v1.cuh) stays for d > 128. See benchmarks/NOTES-bwd.md.
 #pragma once
-#include <cmath>
+#include <type_traits>
 
-#include "bwd/config.h"
-#include "flash.h"
-#include "tile.cuh"
+#include "bwd/common.cuh"
 
 namespace hf_flash {
 namespace bwd {
 
-constexpr float kLog2e = 1.4426950408889634f;
+// dst[0..1] += (a, b) in global memory; one 8-byte RED on sm90.
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
 
-template <bool kIsBf16, int kHeadDim>
+// 4-byte cp.async, zero-filled when !pred.
+__device__ __forceinline__ void cp_async4(uint32_t smem_addr, const void* gmem, bool pred) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(pred ? 4 : 0));
+}
+
+template <bool kIsBf16, int kHeadDim, int kBlockM_, bool kKVRegs_>
 struct Traits {
   using T = typename tile::Elem<kIsBf16>::T;
-  static constexpr int kD = kHeadDim, kBlockN = block_n(kHeadDim), kWarps = kThreads / 32;
+  static constexpr int kD = kHeadDim, kBlockN = block_n(kHeadDim), kBlockM = kBlockM_, kWarps = kThreads / 32;
+  static constexpr bool kKVRegs = kKVRegs_;  // K/V A fragments of the warp's 16 keys kept in registers
+  static_assert(kBlockN == 16 * kWarps, "warp w owns keys 16w..16w+15 in phase AB");
+  static_assert(kBlockM % 16 == 0 && kD % 16 == 0, "tiles");
+  static constexpr int kStages = 2;             // Q/dO/LSE/D buffers
   static constexpr int kStrideD = kD + 8;       // K, V, Q, dO rows (elements)
-  static constexpr int kStrideM = kBlockM + 8;  // P^T, dS^T rows: one key, kBlockM queries
-  // Phase A, S^T = K Q^T and dP^T = V dO^T (kBlockN x kBlockM): warps tile keys x queries.
-  static constexpr int kAWarpsN = kBlockN / 16, kACols = kBlockM / (kWarps / kAWarpsN);
-  // Phase B, dV += P^T dO and dK += dS^T Q (kBlockN x d): warps tile keys x head dim.
-  static constexpr int kBWarpsN = kBlockN / 16, kBCols = kD / (kWarps / kBWarpsN);
-  // Phase C, dQ = dS K (kBlockM x d): warps tile queries x head dim.
-  static constexpr int kCWarpsM = kBlockM / 16, kCCols = kD / (kWarps / kCWarpsM);
-  static_assert(kACols % 16 == 0 && kBCols % 16 == 0 && kCCols % 16 == 0, "warp tiles are pairs of n8 tiles");
-  // Shared memory, in elements of T, then two float vectors of kBlockM.
+  static constexpr int kStrideM = kBlockM + 8;  // dS^T rows: one key, kBlockM queries
+  // Phase C, dQ = dS K (kBlockM x d): 4 x 2 warps, each kCTiles m16 tiles x kCCols.
+  static constexpr int kCWarpsM = 4, kCTiles = kBlockM / 16 / kCWarpsM, kCCols = kD / (kWarps / kCWarpsM);
+  static_assert(kCTiles >= 1 && kCCols % 16 == 0, "phase C warp tile");
+  // Shared memory, in elements of T, then float LSE and D vectors per stage.
   static constexpr int kK = 0, kV = kK + kBlockN * kStrideD, kQ = kV + kBlockN * kStrideD,
-                       kDO = kQ + kBlockM * kStrideD, kPt = kDO + kBlockM * kStrideD,
-                       kDSt = kPt + kBlockN * kStrideM, kElems = kDSt + kBlockN * kStrideM;
-  static constexpr int kSmemBytes = kElems * 2 + 2 * kBlockM * sizeof(float);
+                       kDO = kQ + kStages * kBlockM * kStrideD, kDSt = kDO + kStages * kBlockM * kStrideD,
+                       kElems = kDSt + kBlockN * kStrideM;
+  static constexpr int kSmemBytes = kElems * 2 + 2 * kStages * kBlockM * sizeof(float);
 };
 
-// One sequence of the batch: its lengths, its first row in the tensors (added
-// to batch_stride * b, so 0 when dense), and its first row in the workspace's
-// packed row space (dense: b * seqlen_q).
-struct Seq {
-  int q0, k0, sq, sk, ws0;
-  __device__ Seq(const BwdParams& p, int b) {
-    if (p.cu_seqlens_q) {
-      q0 = p.cu_seqlens_q[b]; sq = p.cu_seqlens_q[b + 1] - q0;
-      k0 = p.cu_seqlens_k[b]; sk = p.cu_seqlens_k[b + 1] - k0;
-      ws0 = q0;
-    } else {
-      q0 = 0; sq = p.seqlen_q;
-      k0 = 0; sk = p.seqlen_k;
-      ws0 = b * p.seqlen_q;
-    }
-  }
-};
-
-// Element offset of (packed row, head) for a tensor with (batch, row, head)
-// strides; dense rows split into (batch, row), varlen rows are already global.
-__device__ __forceinline__ int64_t row_offset(const BwdParams& p, int row, int seqlen, int head, int64_t bs,
-                                              int64_t rs, int64_t hs) {
-  const int b = p.cu_seqlens_q ? 0 : row / seqlen, i = p.cu_seqlens_q ? row : row % seqlen;
-  return b * bs + int64_t(i) * rs + head * hs;
-}
-
-// D[head][row] = sum_c dO[row, head, c] * O[row, head, c]; one warp per (row, head).
-template <bool kIsBf16, int kHeadDim>
-__global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const BwdParams p, float* __restrict__ dsum) {
-  using T = typename tile::Elem<kIsBf16>::T;
-  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
-  if (warp >= p.total_q * p.h) return;
-  const int row = warp / p.h, head = warp % p.h;
-  float acc = 0.f;
-  if (lane < kHeadDim / 8) {
-    const T* o = static_cast<const T*>(p.o) +
-                 row_offset(p, row, p.seqlen_q, head, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
-    const T* d = static_cast<const T*>(p.dout) +
-                 row_offset(p, row, p.seqlen_q, head, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
-    const uint4 ov = reinterpret_cast<const uint4*>(o)[lane], dv = reinterpret_cast<const uint4*>(d)[lane];
-    const T* o8 = reinterpret_cast<const T*>(&ov);
-    const T* d8 = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc += float(o8[i]) * float(d8[i]);
-  }
-#pragma unroll
-  for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
-  if (lane == 0) dsum[int64_t(head) * p.total_q + row] = acc;
-}
-
-// dq = sum over copies of the fp32 accumulator, 8 elements per thread.
-template <bool kIsBf16, int kHeadDim>
-__global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p, const float* __restrict__ acc,
-                                                              size_t copy_floats, int copies) {
-  const int64_t chunk = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  if (chunk >= int64_t(p.total_q) * p.h * (kHeadDim / 8)) return;
-  const int c = int(chunk % (kHeadDim / 8)) * 8, head = int(chunk / (kHeadDim / 8) % p.h);
-  const int row = int(chunk / (kHeadDim / 8) / p.h);
-  float sum[8] = {};
-  for (int copy = 0; copy < copies; ++copy) {
-    const float4* src = reinterpret_cast<const float4*>(acc + copy * copy_floats + chunk * 8);
-    const float4 a = src[0], b = src[1];
-    sum[0] += a.x; sum[1] += a.y; sum[2] += a.z; sum[3] += a.w;
-    sum[4] += b.x; sum[5] += b.y; sum[6] += b.z; sum[7] += b.w;
-  }
-  uint4 out;
-  out.x = tile::pack2<kIsBf16>(sum[0], sum[1]); out.y = tile::pack2<kIsBf16>(sum[2], sum[3]);
-  out.z = tile::pack2<kIsBf16>(sum[4], sum[5]); out.w = tile::pack2<kIsBf16>(sum[6], sum[7]);
-  auto* dq = static_cast<typename tile::Elem<kIsBf16>::T*>(p.dq) +
-             row_offset(p, row, p.seqlen_q, head, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride) + c;
-  *reinterpret_cast<uint4*>(dq) = out;
-}
-
-// Copy `rows` x kD elements (rows >= limit zero-filled) into padded smem rows.
-template <class Tr>
-__device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::T* gmem, int64_t row_stride, int rows,
-                                          int limit) {
-  constexpr int kChunks = Tr::kD / 8;  // 16-byte chunks per row
-  for (int c = threadIdx.x; c < rows * kChunks; c += kThreads) {
-    const int r = c / kChunks, col = (c % kChunks) * 8;
-    const bool ok = r < limit;
-    tile::cp_async16(smem + (r * Tr::kStrideD + col) * 2, ok ? gmem + r * row_stride + col : gmem, ok);
-  }
-}
-
-// Two n8 tiles sharing one A fragment; b holds both B fragments (ldmatrix_x4).
-template <bool kIsBf16>
-__device__ __forceinline__ void mma_pair(float (&acc0)[4], float (&acc1)[4], const uint32_t (&a)[4],
-                                         const uint32_t (&b)[4]) {
-  const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-  tile::mma_16816<kIsBf16>(acc0, a, b0);
-  tile::mma_16816<kIsBf16>(acc1, a, b1);
-}
-
-template <bool kIsBf16, int kHeadDim>
+template <bool kIsBf16, int kHeadDim, int kBlockM_, bool kKVRegs_>
 __global__ void __launch_bounds__(kThreads, 1)
     main_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, size_t copy_floats) {
-  using Tr = Traits<kIsBf16, kHeadDim>;
+  using Tr = Traits<kIsBf16, kHeadDim, kBlockM_, kKVRegs_>;
   using T = typename Tr::T;
-  constexpr int kD = Tr::kD, kBlockN = Tr::kBlockN;
+  constexpr int kD = Tr::kD, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
-  float* s_lse2 = reinterpret_cast<float*>(smem + Tr::kElems);  // LSE * log2(e) of the query block
-  float* s_dsum = s_lse2 + kBlockM;
+  float* s_lse = reinterpret_cast<float*>(smem + Tr::kElems);  // [stage][row] natural-log LSE
+  float* s_dsum = s_lse + kStages * kBlockM;                    // [stage][row] D
   const uint32_t sK = tile::smem_u32(smem + Tr::kK), sV = tile::smem_u32(smem + Tr::kV),
-                 sQ = tile::smem_u32(smem + Tr::kQ), sDO = tile::smem_u32(smem + Tr::kDO),
-                 sPt = tile::smem_u32(smem + Tr::kPt), sDSt = tile::smem_u32(smem + Tr::kDSt);
+                 sQ0 = tile::smem_u32(smem + Tr::kQ), sDO0 = tile::smem_u32(smem + Tr::kDO),
+                 sDSt = tile::smem_u32(smem + Tr::kDSt);
+  constexpr uint32_t kStageBytes = kBlockM * Tr::kStrideD * 2;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int hk = blockIdx.y, b = blockIdx.z, groups = p.h / p.h_k;
   const Seq seq(p, b);
@@ -162,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
     const int n0 = n_block * kBlockN;
-    __syncthreads();  // the previous key block is done with K/V
+    __syncthreads();  // the previous key block is done with K/V and every buffer
     const T* k = static_cast<const T*>(p.k) + p.k_batch_stride * b + int64_t(seq.k0 + n0) * p.k_row_stride +
                  hk * p.k_head_stride;
     const T* v = static_cast<const T*>(p.v) + p.v_batch_stride * b + int64_t(seq.k0 + n0) * p.v_row_stride +
@@ -178,171 +98,208 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int m_begin = m_lo / kBlockM, m_count = m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0;
     const int iters = groups * m_count;  // (query head, query block) pairs
 
-    // Loads of iteration `it`: Q and dO by cp.async, LSE and D into registers
-    // (stored to smem once the previous iteration is done with them).
-    float lse2_next = 0.f, dsum_next = 0.f;
+    // Q, dO, LSE and D of iteration `it` into stage it % kStages, one cp.async group.
     auto issue_loads = [&](int it) {
-      const int head = hk * groups + it / m_count, m0 = (m_begin + it % m_count) * kBlockM;
+      const int st = it % kStages, head = hk * groups + it / m_count, m0 = (m_begin + it % m_count) * kBlockM;
       const T* q = static_cast<const T*>(p.q) + p.q_batch_stride * b + int64_t(seq.q0 + m0) * p.q_row_stride +
                    head * p.q_head_stride;
       const T* dout = static_cast<const T*>(p.dout) + p.do_batch_stride * b +
                       int64_t(seq.q0 + m0) * p.do_row_stride + head * p.do_head_stride;
-      load_tile<Tr>(sQ, q, p.q_row_stride, kBlockM, seq.sq - m0);
-      load_tile<Tr>(sDO, dout, p.do_row_stride, kBlockM, seq.sq - m0);
-      tile::cp_async_commit();
-      if (tid < kBlockM) {
+      load_tile<Tr>(sQ0 + st * kStageBytes, q, p.q_row_stride, kBlockM, seq.sq - m0);
+      load_tile<Tr>(sDO0 + st * kStageBytes, dout, p.do_row_stride, kBlockM, seq.sq - m0);
+      if (tid < kBlockM) {  // rows past the end read as 0; phase AB masks them
         const int i = m0 + tid;
         const bool ok = i < seq.sq;
         const int64_t lse_idx = p.cu_seqlens_q ? head * p.lse_head_stride + seq.q0 + i
                                                : b * p.lse_batch_stride + head * p.lse_head_stride + i;
-        lse2_next = ok ? p.lse[lse_idx] * kLog2e : INFINITY;  // +inf: P = 0 for padding and empty rows
-        dsum_next = ok ? dsum[int64_t(head) * p.total_q + seq.ws0 + i] : 0.f;
+        cp_async4(tile::smem_u32(s_lse + st * kBlockM + tid), ok ? p.lse + lse_idx : p.lse, ok);
+        cp_async4(tile::smem_u32(s_dsum + st * kBlockM + tid),
+                  ok ? dsum + int64_t(head) * p.total_q + seq.ws0 + i : dsum, ok);
       }
-    };
-    auto store_row_stats = [&] {
-      if (tid < kBlockM) { s_lse2[tid] = lse2_next; s_dsum[tid] = dsum_next; }
+      tile::cp_async_commit();
     };
 
-    float dv[Tr::kBCols / 8][4] = {}, dk[Tr::kBCols / 8][4] = {};
-    if (iters > 0) { issue_loads(0); store_row_stats(); }
+    float dv[kD / 8][4] = {}, dk[kD / 8][4] = {};
+    uint32_t kf[Tr::kKVRegs ? kD / 16 : 1][4], vf[Tr::kKVRegs ? kD / 16 : 1][4];
+    if (iters > 0) issue_loads(0);
 
     for (int it = 0; it < iters; ++it) {
-      const int head = hk * groups + it / m_count, m0 = (m_begin + it % m_count) * kBlockM;
-      tile::cp_async_wait<0>();
-      __syncthreads();
-
-      // ---- Phase A: S^T = K Q^T, dP^T = V dO^T; P^T and dS^T to smem ----------
-      {
-        const int wn = warp % Tr::kAWarpsN, wm = warp / Tr::kAWarpsN;
-        float s[Tr::kACols / 8][4] = {}, dp[Tr::kACols / 8][4] = {};
-        const int a_row = 16 * wn + lane % 16, a_col = lane / 16 * 8;
-        const int b_row = wm * Tr::kACols + lane % 8 + lane / 16 * 8, b_col = lane / 8 % 2 * 8;
+      const int st = it % kStages, head = hk * groups + it / m_count, m0 = (m_begin + it % m_count) * kBlockM;
+      if (it + 1 < iters) {
+        issue_loads(it + 1);  // its stage was last read in phase AB of it - 1 (before that barrier)
+        tile::cp_async_wait<1>();
+      } else {
+        tile::cp_async_wait<0>();
+      }
+      __syncthreads();  // stage st landed; phase C of it - 1 is done with dS^T
+      const uint32_t sQ = sQ0 + st * kStageBytes, sDO = sDO0 + st * kStageBytes;
+      const float* lse = s_lse + st * kBlockM;
+      const float* dsm = s_dsum + st * kBlockM;
+      const int a_row = 16 * warp + lane % 16, a_col = lane / 16 * 8;
+      if constexpr (Tr::kKVRegs) {
+        if (it == 0) {
 #pragma unroll
-        for (int kk = 0; kk < kD / 16; ++kk) {
-          uint32_t ak[4], av[4];
-          tile::ldmatrix_x4(ak, sK + (a_row * Tr::kStrideD + kk * 16 + a_col) * 2);
-          tile::ldmatrix_x4(av, sV + (a_row * Tr::kStrideD + kk * 16 + a_col) * 2);
-#pragma unroll
-          for (int j = 0; j < Tr::kACols / 16; ++j) {
-            const int addr = ((b_row + 16 * j) * Tr::kStrideD + kk * 16 + b_col) * 2;
-            uint32_t bq[4], bo[4];
-            tile::ldmatrix_x4(bq, sQ + addr);
-            tile::ldmatrix_x4(bo, sDO + addr);
-            mma_pair<kIsBf16>(s[2 * j], s[2 * j + 1], ak, bq);
-            mma_pair<kIsBf16>(dp[2 * j], dp[2 * j + 1], av, bo);
-          }
-        }
-        // A block needs masking where a key is past the end or a window edge crosses it.
-        const bool full = n0 + kBlockN <= seq.sk && (wr < 0 || n0 + kBlockN - 1 <= m0 + off + wr) &&
-                          (wl < 0 || n0 >= m0 + kBlockM - 1 + off - wl);
-        const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
-#pragma unroll
-        for (int j = 0; j < Tr::kACols / 8; ++j) {
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {  // accumulator rows g and g + 8
-            const int kr = 16 * wn + g + 8 * h2, qc = wm * Tr::kACols + 8 * j + 2 * t;
-            float pv[2], dsv[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int key = n0 + kr, row = m0 + qc + e;
-              float x = s[j][2 * h2 + e], th = 0.f;
-              if (p.softcap > 0) { th = tile::fast_tanh(x * scale_over_cap); x = p.softcap * th; }
-              float s2 = x * p.softmax_scale_log2;
-              if (p.alibi_slopes) s2 -= slope2 * fabsf(float(row + off - key));
-              const bool visible = full || (key < seq.sk && (wl < 0 || key >= row + off - wl) &&
-                                            (wr < 0 || key <= row + off + wr));
-              const float prob = visible ? tile::fast_exp2(s2 - s_lse2[qc + e]) : 0.f;
-              float dpv = dp[j][2 * h2 + e], pdrop = prob;
-              if (p.p_dropout > 0) {
-                const tile::Philox4 r = tile::philox(seed, uint32_t(key) >> 2, row, b * p.h + head, rng_offset);
-                const uint32_t word = (key & 3) == 0 ? r.x : (key & 3) == 1 ? r.y : (key & 3) == 2 ? r.z : r.w;
-                const float keep = word >= p.dropout_threshold ? p.rp_dropout : 0.f;
-                pdrop = prob * keep;
-                dpv *= keep;
-              }
-              float ds = prob * (dpv - s_dsum[qc + e]);
-              if (p.softcap > 0) ds *= 1.f - th * th;
-              pv[e] = pdrop;
-              dsv[e] = ds * p.softmax_scale;
-            }
-            const int idx = (kr * Tr::kStrideM + qc) * 2;
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sPt + idx), "r"(tile::pack2<kIsBf16>(pv[0], pv[1])));
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDSt + idx), "r"(tile::pack2<kIsBf16>(dsv[0], dsv[1])));
+          for (int kk = 0; kk < kD / 16; ++kk) {
+            tile::ldmatrix_x4(kf[kk], sK + (a_row * Tr::kStrideD + kk * 16 + a_col) * 2);
+            tile::ldmatrix_x4(vf[kk], sV + (a_row * Tr::kStrideD + kk * 16 + a_col) * 2);
           }
         }
       }
-      __syncthreads();
 
-      // ---- Phase B: dV += P^T dO, dK += dS^T Q (registers) ---------------------
+      // ---- Phase AB ------------------------------------------------------------
       {
-        const int wn = warp % Tr::kBWarpsN, wd = warp / Tr::kBWarpsN;
-        const int a_row = 16 * wn + lane % 16, a_col = lane / 16 * 8;
-        const int b_row = lane % 8 + lane / 8 % 2 * 8, b_col = wd * Tr::kBCols + lane / 16 * 8;
+        float s[kBlockM / 8][4] = {}, dp[kBlockM / 8][4] = {};
+        {
+          const int b_row = lane % 8 + lane / 16 * 8, b_col = lane / 8 % 2 * 8;
+#pragma unroll
+          for (int kk = 0; kk < kD / 16; ++kk) {
+            uint32_t ak[4], av[4];
+            if constexpr (Tr::kKVRegs) {
+#pragma unroll
+              for (int r = 0; r < 4; ++r) { ak[r] = kf[kk][r]; av[r] = vf[kk][r]; }
+            } else {
+              tile::ldmatrix_x4(ak, sK + (a_row * Tr::kStrideD + kk * 16 + a_col) * 2);
+              tile::ldmatrix_x4(av, sV + (a_row * Tr::kStrideD + kk * 16 + a_col) * 2);
+            }
+#pragma unroll
+            for (int j = 0; j < kBlockM / 16; ++j) {
+              const int addr = ((b_row + 16 * j) * Tr::kStrideD + kk * 16 + b_col) * 2;
+              uint32_t bq[4], bo[4];
+              tile::ldmatrix_x4(bq, sQ + addr);
+              tile::ldmatrix_x4(bo, sDO + addr);
+              mma_pair<kIsBf16>(s[2 * j], s[2 * j + 1], ak, bq);
+              mma_pair<kIsBf16>(dp[2 * j], dp[2 * j + 1], av, bo);
+            }
+          }
+        }
+        // A block needs masking where a key or query is past the end or a window edge crosses it.
+        const bool full = n0 + kBlockN <= seq.sk && m0 + kBlockM <= seq.sq &&
+                          (wr < 0 || n0 + kBlockN - 1 <= m0 + off + wr) &&
+                          (wl < 0 || n0 >= m0 + kBlockM - 1 + off - wl);
+        const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
+        uint32_t pt[kBlockM / 16][4], dst[kBlockM / 16][4];  // A fragments of P^T and dS^T (k = queries)
+        // P, dS from S, dP. The common case (no softcap, ALiBi, dropout or mask in this block) runs a
+        // 4-instruction-per-element path; everything else the generic one.
+        auto pointwise = [&](auto generic_tag) {
+          constexpr bool kGeneric = decltype(generic_tag)::value;
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+            const int qc = 8 * j + 2 * t;
+            const float2 lse_j = *reinterpret_cast<const float2*>(lse + qc);
+            const float2 dsum_j = *reinterpret_cast<const float2*>(dsm + qc);
+            const float lse2[2] = {lse_j.x * kLog2e, lse_j.y * kLog2e};
+            const float dsv_row[2] = {kGeneric ? dsum_j.x : dsum_j.x * p.softmax_scale,
+                                      kGeneric ? dsum_j.y : dsum_j.y * p.softmax_scale};
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {  // accumulator rows g and g + 8
+              const int kr = 16 * warp + g + 8 * h2;
+              float pv[2], dsv[2];
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                if constexpr (!kGeneric) {
+                  const float prob = tile::fast_exp2(fmaf(s[j][2 * h2 + e], p.softmax_scale_log2, -lse2[e]));
+                  pv[e] = prob;
+                  dsv[e] = prob * fmaf(dp[j][2 * h2 + e], p.softmax_scale, -dsv_row[e]);
+                } else {
+                  const int key = n0 + kr, row = m0 + qc + e;
+                  float x = s[j][2 * h2 + e], th = 0.f;
+                  if (p.softcap > 0) { th = tile::fast_tanh(x * scale_over_cap); x = p.softcap * th; }
+                  float s2 = x * p.softmax_scale_log2;
+                  if (p.alibi_slopes) s2 -= slope2 * fabsf(float(row + off - key));
+                  const bool visible = full || (row < seq.sq && key < seq.sk && (wl < 0 || key >= row + off - wl) &&
+                                                (wr < 0 || key <= row + off + wr));
+                  const float prob = visible ? tile::fast_exp2(s2 - lse2[e]) : 0.f;
+                  float dpv = dp[j][2 * h2 + e], pdrop = prob;
+                  if (p.p_dropout > 0) {
+                    const tile::Philox4 r = tile::philox(seed, uint32_t(key) >> 2, row, b * p.h + head, rng_offset);
+                    const uint32_t word = (key & 3) == 0 ? r.x : (key & 3) == 1 ? r.y : (key & 3) == 2 ? r.z : r.w;
+                    const float keep = word >= p.dropout_threshold ? p.rp_dropout : 0.f;
+                    pdrop = prob * keep;
+                    dpv *= keep;
+                  }
+                  float ds = prob * (dpv - dsv_row[e]);
+                  if (p.softcap > 0) ds *= 1.f - th * th;
+                  pv[e] = pdrop;
+                  dsv[e] = ds * p.softmax_scale;
+                }
+              }
+              pt[j / 2][(j % 2) * 2 + h2] = tile::pack2<kIsBf16>(pv[0], pv[1]);
+              dst[j / 2][(j % 2) * 2 + h2] = tile::pack2<kIsBf16>(dsv[0], dsv[1]);
+              asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDSt + (kr * Tr::kStrideM + qc) * 2),
+                           "r"(dst[j / 2][(j % 2) * 2 + h2]));
+            }
+          }
+        };
+        if (full && p.softcap <= 0.f && !p.alibi_slopes && p.p_dropout <= 0.f) {
+          pointwise(std::false_type{});
+        } else {
+          pointwise(std::true_type{});
+        }
+        // dV += P^T dO, dK += dS^T Q: A from registers, B by ldmatrix.trans.
+        const int b_row = lane % 8 + lane / 8 % 2 * 8, b_col = lane / 16 * 8;
 #pragma unroll
         for (int kk = 0; kk < kBlockM / 16; ++kk) {
-          uint32_t ap[4], ads[4];
-          tile::ldmatrix_x4(ap, sPt + (a_row * Tr::kStrideM + kk * 16 + a_col) * 2);
-          tile::ldmatrix_x4(ads, sDSt + (a_row * Tr::kStrideM + kk * 16 + a_col) * 2);
 #pragma unroll
-          for (int j = 0; j < Tr::kBCols / 16; ++j) {
+          for (int j = 0; j < kD / 16; ++j) {
             const int addr = ((kk * 16 + b_row) * Tr::kStrideD + b_col + 16 * j) * 2;
             uint32_t bo[4], bq[4];
             tile::ldmatrix_x4_trans(bo, sDO + addr);
             tile::ldmatrix_x4_trans(bq, sQ + addr);
-            mma_pair<kIsBf16>(dv[2 * j], dv[2 * j + 1], ap, bo);
-            mma_pair<kIsBf16>(dk[2 * j], dk[2 * j + 1], ads, bq);
+            mma_pair<kIsBf16>(dv[2 * j], dv[2 * j + 1], pt[kk], bo);
+            mma_pair<kIsBf16>(dk[2 * j], dk[2 * j + 1], dst[kk], bq);
           }
         }
       }
-      __syncthreads();  // Q, dO, LSE, D free: prefetch the next query block under phase C
-      if (it + 1 < iters) issue_loads(it + 1);
+      __syncthreads();  // dS^T complete; Q/dO of stage st free
 
       // ---- Phase C: dQ = dS K, added into the fp32 accumulator -----------------
       {
         const int wm = warp % Tr::kCWarpsM, wd = warp / Tr::kCWarpsM;
-        const int a_row = lane % 8 + lane / 16 * 8, a_col = 16 * wm + lane / 8 % 2 * 8;
+        const int a_row = lane % 8 + lane / 16 * 8, a_col = lane / 8 % 2 * 8;
         const int b_row = lane % 8 + lane / 8 % 2 * 8, b_col = wd * Tr::kCCols + lane / 16 * 8;
-        float dq[Tr::kCCols / 8][4] = {};
+        float dq[Tr::kCTiles][Tr::kCCols / 8][4] = {};
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          uint32_t a[4];
-          tile::ldmatrix_x4_trans(a, sDSt + ((kk * 16 + a_row) * Tr::kStrideM + a_col) * 2);
+          uint32_t a[Tr::kCTiles][4];
+#pragma unroll
+          for (int mt = 0; mt < Tr::kCTiles; ++mt)
+            tile::ldmatrix_x4_trans(
+                a[mt], sDSt + ((kk * 16 + a_row) * Tr::kStrideM + 16 * (wm * Tr::kCTiles + mt) + a_col) * 2);
 #pragma unroll
           for (int j = 0; j < Tr::kCCols / 16; ++j) {
             uint32_t bk[4];
             tile::ldmatrix_x4_trans(bk, sK + ((kk * 16 + b_row) * Tr::kStrideD + b_col + 16 * j) * 2);
-            mma_pair<kIsBf16>(dq[2 * j], dq[2 * j + 1], a, bk);
+#pragma unroll
+            for (int mt = 0; mt < Tr::kCTiles; ++mt) mma_pair<kIsBf16>(dq[mt][2 * j], dq[mt][2 * j + 1], a[mt], bk);
           }
         }
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = m0 + 16 * wm + g + 8 * h2;
-          if (i < seq.sq) {
-            float* dst = dq_base + (int64_t(seq.ws0 + i) * p.h + head) * kD + wd * Tr::kCCols + 2 * t;
+        for (int mt = 0; mt < Tr::kCTiles; ++mt) {
 #pragma unroll
-            for (int j = 0; j < Tr::kCCols / 8; ++j) {
-              atomicAdd(dst + 8 * j, dq[j][2 * h2]);
-              atomicAdd(dst + 8 * j + 1, dq[j][2 * h2 + 1]);
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int i = m0 + 16 * (wm * Tr::kCTiles + mt) + g + 8 * h2;
+            if (i < seq.sq) {
+              float* dstp = dq_base + (int64_t(seq.ws0 + i) * p.h + head) * kD + wd * Tr::kCCols + 2 * t;
+#pragma unroll
+              for (int j = 0; j < Tr::kCCols / 8; ++j) red_add2(dstp + 8 * j, dq[mt][j][2 * h2], dq[mt][j][2 * h2 + 1]);
             }
           }
         }
       }
-      if (it + 1 < iters) store_row_stats();
     }
     tile::cp_async_wait<0>();  // no copy may land after the block is done (K/V when iters == 0)
 
     // ---- dK, dV of this key block (GQA: summed over the group's query heads) ----
-    const int wn = warp % Tr::kBWarpsN, wd = warp / Tr::kBWarpsN;
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
-      const int key = n0 + 16 * wn + g + 8 * h2;
+      const int key = n0 + 16 * warp + g + 8 * h2;
       if (key < seq.sk) {
         T* dkp = static_cast<T*>(p.dk) + p.dk_batch_stride * b + int64_t(seq.k0 + key) * p.dk_row_stride +
-                 hk * p.dk_head_stride + wd * Tr::kBCols + 2 * t;
+                 hk * p.dk_head_stride + 2 * t;
         T* dvp = static_cast<T*>(p.dv) + p.dv_batch_stride * b + int64_t(seq.k0 + key) * p.dv_row_stride +
-                 hk * p.dv_head_stride + wd * Tr::kBCols + 2 * t;
+                 hk * p.dv_head_stride + 2 * t;
 #pragma unroll
-        for (int j = 0; j < Tr::kBCols / 8; ++j) {
+        for (int j = 0; j < kD / 8; ++j) {
           *reinterpret_cast<uint32_t*>(dkp + 8 * j) = tile::pack2<kIsBf16>(dk[j][2 * h2], dk[j][2 * h2 + 1]);
           *reinterpret_cast<uint32_t*>(dvp + 8 * j) = tile::pack2<kIsBf16>(dv[j][2 * h2], dv[j][2 * h2 + 1]);
         }

@@ -1,13 +1,38 @@
 // run_bwd_hdim: D = rowsum(dO * O) and zeroed dQ accumulators, the main
 // kernel, then the dQ conversion; one stream, no host synchronisation.
 #pragma once
+#include <cstdlib>
+
 #include "bwd/kernel.cuh"
+#include "bwd/kernel_v1.cuh"
 
 namespace hf_flash {
+namespace bwd {
+
+template <class Kernel>
+cudaError_t launch_main(Kernel kernel, int smem_bytes, const BwdParams& params, int copies, float* dsum,
+                        float* dq_acc, size_t copy_floats, cudaStream_t stream) {
+  // Once per instantiation (each Kernel type here is one function pointer per call site).
+  cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid(params.deterministic ? copies : num_n_blocks(params), params.h_k, params.b);
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(params, dsum, dq_acc, copy_floats);
+  return cudaSuccess;
+}
+
+// Benchmark-only variant switch (HF_FLASH_BWD_VARIANT) for bf16 d64/d128; 0 = default.
+inline int bwd_variant() {
+  static const int v = [] {
+    const char* s = std::getenv("HF_FLASH_BWD_VARIANT");
+    return s ? std::atoi(s) : 0;
+  }();
+  return v;
+}
+
+}  // namespace bwd
 
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_bwd_hdim(const BwdParams& params, cudaStream_t stream) {
-  using Tr = bwd::Traits<kIsBf16, kHeadDim>;
   const bwd::WorkspaceLayout ws(params);
   auto* base = static_cast<unsigned char*>(params.workspace);
   auto* dsum = reinterpret_cast<float*>(base + ws.dsum_offset);
@@ -20,12 +45,41 @@ cudaError_t run_bwd_hdim(const BwdParams& params, cudaStream_t stream) {
   bwd::dot_do_o_kernel<kIsBf16, kHeadDim>
       <<<(row_warps * 32 + bwd::kThreads - 1) / bwd::kThreads, bwd::kThreads, 0, stream>>>(params, dsum);
 
-  auto* kernel = bwd::main_kernel<kIsBf16, kHeadDim>;
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  const dim3 grid(params.deterministic ? copies : bwd::num_n_blocks(params), params.h_k, params.b);
-  kernel<<<grid, bwd::kThreads, Tr::kSmemBytes, stream>>>(params, dsum, dq_acc, ws.dq_copy_floats);
+  if constexpr (kHeadDim <= 128) {
+    bool done = false;
+    if constexpr (kIsBf16 && (kHeadDim == 64 || kHeadDim == 128)) {
+      const int variant = bwd::bwd_variant();
+      if (variant == 9) {  // v1, for A/B runs
+        using Tr = bwd::TraitsV1<kIsBf16, kHeadDim>;
+        err = bwd::launch_main(bwd::main_kernel_v1<kIsBf16, kHeadDim>, Tr::kSmemBytes, params, copies, dsum,
+                               dq_acc, ws.dq_copy_floats, stream);
+        done = true;
+      }
+      if constexpr (kHeadDim == 64) {
+        if (variant == 1) {
+          using Tr = bwd::Traits<kIsBf16, kHeadDim, 64, true>;
+          err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, 64, true>, Tr::kSmemBytes, params, copies,
+                                 dsum, dq_acc, ws.dq_copy_floats, stream);
+          done = true;
+        } else if (variant == 2) {
+          using Tr = bwd::Traits<kIsBf16, kHeadDim, 128, false>;
+          err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, 128, false>, Tr::kSmemBytes, params, copies,
+                                 dsum, dq_acc, ws.dq_copy_floats, stream);
+          done = true;
+        }
+      }
+    }
+    if (!done) {
+      using Tr = bwd::Traits<kIsBf16, kHeadDim, 64, false>;
+      err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, 64, false>, Tr::kSmemBytes, params, copies, dsum,
+                             dq_acc, ws.dq_copy_floats, stream);
+    }
+  } else {
+    using Tr = bwd::TraitsV1<kIsBf16, kHeadDim>;
+    err = bwd::launch_main(bwd::main_kernel_v1<kIsBf16, kHeadDim>, Tr::kSmemBytes, params, copies, dsum, dq_acc,
+                           ws.dq_copy_floats, stream);
+  }
+  if (err != cudaSuccess) return err;
 
   const int64_t chunks = row_warps * (kHeadDim / 8);
   bwd::convert_dq_kernel<kIsBf16, kHeadDim><<<(chunks + bwd::kThreads - 1) / bwd::kThreads, bwd::kThreads, 0, stream>>>(

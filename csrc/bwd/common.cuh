@@ -1,0 +1,111 @@
+// Pieces shared by the backward kernels: sequence offsets, the D = rowsum(dO*O)
+// preprocess, the dQ conversion, tile loads and paired mma.
+#pragma once
+#include <cmath>
+
+#include "bwd/config.h"
+#include "flash.h"
+#include "tile.cuh"
+
+namespace hf_flash {
+namespace bwd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+
+// One sequence of the batch: its lengths, its first row in the tensors (added
+// to batch_stride * b, so 0 when dense), and its first row in the workspace's
+// packed row space (dense: b * seqlen_q).
+struct Seq {
+  int q0, k0, sq, sk, ws0;
+  __device__ Seq(const BwdParams& p, int b) {
+    if (p.cu_seqlens_q) {
+      q0 = p.cu_seqlens_q[b]; sq = p.cu_seqlens_q[b + 1] - q0;
+      k0 = p.cu_seqlens_k[b]; sk = p.cu_seqlens_k[b + 1] - k0;
+      ws0 = q0;
+    } else {
+      q0 = 0; sq = p.seqlen_q;
+      k0 = 0; sk = p.seqlen_k;
+      ws0 = b * p.seqlen_q;
+    }
+  }
+};
+
+// Element offset of (packed row, head) for a tensor with (batch, row, head)
+// strides; dense rows split into (batch, row), varlen rows are already global.
+__device__ __forceinline__ int64_t row_offset(const BwdParams& p, int row, int seqlen, int head, int64_t bs,
+                                              int64_t rs, int64_t hs) {
+  const int b = p.cu_seqlens_q ? 0 : row / seqlen, i = p.cu_seqlens_q ? row : row % seqlen;
+  return b * bs + int64_t(i) * rs + head * hs;
+}
+
+// D[head][row] = sum_c dO[row, head, c] * O[row, head, c]; one warp per (row, head).
+template <bool kIsBf16, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const BwdParams p, float* __restrict__ dsum) {
+  using T = typename tile::Elem<kIsBf16>::T;
+  const int warp = (blockIdx.x * kThreads + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  if (warp >= p.total_q * p.h) return;
+  const int row = warp / p.h, head = warp % p.h;
+  float acc = 0.f;
+  if (lane < kHeadDim / 8) {
+    const T* o = static_cast<const T*>(p.o) +
+                 row_offset(p, row, p.seqlen_q, head, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+    const T* d = static_cast<const T*>(p.dout) +
+                 row_offset(p, row, p.seqlen_q, head, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+    const uint4 ov = reinterpret_cast<const uint4*>(o)[lane], dv = reinterpret_cast<const uint4*>(d)[lane];
+    const T* o8 = reinterpret_cast<const T*>(&ov);
+    const T* d8 = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc += float(o8[i]) * float(d8[i]);
+  }
+#pragma unroll
+  for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
+  if (lane == 0) dsum[int64_t(head) * p.total_q + row] = acc;
+}
+
+// dq = sum over copies of the fp32 accumulator, 8 elements per thread.
+template <bool kIsBf16, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p, const float* __restrict__ acc,
+                                                              size_t copy_floats, int copies) {
+  const int64_t chunk = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (chunk >= int64_t(p.total_q) * p.h * (kHeadDim / 8)) return;
+  const int c = int(chunk % (kHeadDim / 8)) * 8, head = int(chunk / (kHeadDim / 8) % p.h);
+  const int row = int(chunk / (kHeadDim / 8) / p.h);
+  float sum[8] = {};
+  for (int copy = 0; copy < copies; ++copy) {
+    const float4* src = reinterpret_cast<const float4*>(acc + copy * copy_floats + chunk * 8);
+    const float4 a = src[0], b = src[1];
+    sum[0] += a.x; sum[1] += a.y; sum[2] += a.z; sum[3] += a.w;
+    sum[4] += b.x; sum[5] += b.y; sum[6] += b.z; sum[7] += b.w;
+  }
+  uint4 out;
+  out.x = tile::pack2<kIsBf16>(sum[0], sum[1]); out.y = tile::pack2<kIsBf16>(sum[2], sum[3]);
+  out.z = tile::pack2<kIsBf16>(sum[4], sum[5]); out.w = tile::pack2<kIsBf16>(sum[6], sum[7]);
+  auto* dq = static_cast<typename tile::Elem<kIsBf16>::T*>(p.dq) +
+             row_offset(p, row, p.seqlen_q, head, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride) + c;
+  *reinterpret_cast<uint4*>(dq) = out;
+}
+
+// Copy `rows` x kD elements (rows >= limit zero-filled) into padded smem rows.
+template <class Tr>
+__device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::T* gmem, int64_t row_stride, int rows,
+                                          int limit) {
+  constexpr int kChunks = Tr::kD / 8;  // 16-byte chunks per row
+  for (int c = threadIdx.x; c < rows * kChunks; c += kThreads) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    const bool ok = r < limit;
+    tile::cp_async16(smem + (r * Tr::kStrideD + col) * 2, ok ? gmem + r * row_stride + col : gmem, ok);
+  }
+}
+
+// Two n8 tiles sharing one A fragment; b holds both B fragments (ldmatrix_x4).
+template <bool kIsBf16>
+__device__ __forceinline__ void mma_pair(float (&acc0)[4], float (&acc1)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[4]) {
+  const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+  tile::mma_16816<kIsBf16>(acc0, a, b0);
+  tile::mma_16816<kIsBf16>(acc1, a, b1);
+}
+
+}  // namespace bwd
+}  // namespace hf_flash
