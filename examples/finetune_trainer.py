@@ -41,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logging-steps", type=int, default=None, help="default: max_steps / 20")
     p.add_argument("--output-dir", default="out/finetune")
     return p.parse_args(argv)
 
@@ -139,7 +140,7 @@ def main(argv=None):
 
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-        learning_rate=args.lr, warmup_steps=args.max_steps // 10, logging_steps=max(1, args.max_steps // 20),
+        learning_rate=args.lr, warmup_steps=args.max_steps // 10, logging_steps=args.logging_steps or max(1, args.max_steps // 20),
         save_strategy="no", report_to=[], seed=args.seed, bf16=dtype == torch.bfloat16,
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, remove_unused_columns=False)
     trainer = Trainer(model=model, args=training_args, train_dataset=examples, data_collator=collate,
@@ -147,7 +148,7 @@ def main(argv=None):
     result = trainer.train()
     print(f"attn={args.attn} packing={args.packing} final loss {result.training_loss:.4f} "
           f"tokens/s {throughput.tokens / (time.perf_counter() - throughput.start):.0f}")
-    return result
+    return trainer
 
 
 if __name__ == "__main__":

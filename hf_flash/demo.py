@@ -1,6 +1,7 @@
 """``python -m hf_flash demo``: the whole product path on an embedded task.
 
-A small Llama (GQA) learns to reverse digit strings written as text ("4172=2714;")
+A small Llama (GQA) learns to repeat digit strings written as text ("4172=4172;"),
+a task that needs attention to look back to the right place
 with ``Trainer`` and ``attn_implementation="hf_flash"``, on padded batches of
 variable length (so the padding-mask path is exercised). It then generates
 answers with a KV cache and checks that held-out perplexity matches ``sdpa``
@@ -31,10 +32,10 @@ def decode(ids) -> str:
 
 
 def make_examples(n: int, rng: random.Random) -> list[str]:
-    """Several reversals per example, of varying count, so lengths (and padding) vary."""
+    """Several copies per example, of varying count, so lengths (and padding) vary."""
     def one():
         digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6)))
-        return f"{digits}={digits[::-1]};"
+        return f"{digits}={digits};"
 
     return ["".join(one() for _ in range(rng.randint(2, 8))) for _ in range(n)]
 
@@ -84,7 +85,7 @@ def perplexity(model, texts, device) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_flash demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tolerance", type=float, default=None,
@@ -128,10 +129,10 @@ def main(argv=None) -> int:
                                max_new_tokens=7, do_sample=False, pad_token_id=PAD)
     correct = 0
     for prompt, ids in zip(prompts, generated[:, batch["input_ids"].shape[1]:].tolist()):
-        answer, expected = decode(ids).split(";")[0], prompt[:-1][::-1]
+        answer, expected = decode(ids).split(";")[0], prompt[:-1]
         correct += answer == expected
         print(f"  {prompt}{answer:<7} {'ok' if answer == expected else f'(expected {expected})'}")
-    print(f"generation: {correct}/{len(prompts)} reversed right (greedy, left-padded, KV cache)")
+    print(f"generation: {correct}/{len(prompts)} repeated right (greedy, left-padded, KV cache)")
 
     ppl_ours = perplexity(model, held_out, device)
     model.set_attn_implementation("sdpa")
