@@ -61,18 +61,19 @@ cudaError_t run_bwd_hdim(const BwdParams& params, cudaStream_t stream) {
           err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, 64, true>, Tr::kSmemBytes, params, copies,
                                  dsum, dq_acc, ws.dq_copy_floats, stream);
           done = true;
-        } else if (variant == 2) {
-          using Tr = bwd::Traits<kIsBf16, kHeadDim, 128, false>;
-          err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, 128, false>, Tr::kSmemBytes, params, copies,
+        } else if (variant == 3) {  // 64 query rows (the d64 default until v2 measured 128 faster)
+          using Tr = bwd::Traits<kIsBf16, kHeadDim, 64, false>;
+          err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, 64, false>, Tr::kSmemBytes, params, copies,
                                  dsum, dq_acc, ws.dq_copy_floats, stream);
           done = true;
         }
       }
     }
-    if (!done) {
-      using Tr = bwd::Traits<kIsBf16, kHeadDim, 64, false>;
-      err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, 64, false>, Tr::kSmemBytes, params, copies, dsum,
-                             dq_acc, ws.dq_copy_floats, stream);
+    if (!done) {  // default: 128 query rows per step at d64 (fp16 too), 64 otherwise
+      constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
+      using Tr = bwd::Traits<kIsBf16, kHeadDim, kBlockM, false>;
+      err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, kBlockM, false>, Tr::kSmemBytes, params, copies,
+                             dsum, dq_acc, ws.dq_copy_floats, stream);
     }
   } else {
     using Tr = bwd::TraitsV1<kIsBf16, kHeadDim>;
