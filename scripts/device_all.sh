@@ -1,0 +1,44 @@
+#!/bin/bash
+# The whole product on one GPU machine: build, every GPU test, the demo, the
+# convergence example, kernel and end-to-end benchmarks. Pick stages with
+#   STAGES="build test demo converge kernels e2e" bash scripts/device_all.sh
+# (a warm machine keeps the build). Logs and CSV/PNG go to $OUT (or out/).
+# Needs .data/tinyshakespeare.txt and the .whl wheels (datasets) carried along.
+set -o pipefail
+export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=${HF_FLASH_CUDA_ARCHS:-90a}  # sm_80 is compile-checked off-device
+cd "$(dirname "$0")/.." && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# pyproject installs top-level patches/ as hf_flash.patches; mirror that for the uninstalled checkout.
+[ -e hf_flash/patches ] || ln -s ../patches hf_flash/patches
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"build test demo converge kernels e2e"}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+if has build; then
+  start=$SECONDS
+  MAX_JOBS=16 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  echo "build: $((SECONDS - start)) s"
+fi
+python3 -m hf_flash env | tee "$OUT/env.txt"
+if has test; then
+  timeout 400 python3 -m pytest tests -m gpu -q -p no:cacheprovider --tb=short --maxfail=20 2>&1 \
+    | tee "$OUT/test.log" | tail -25
+fi
+if has demo; then
+  timeout 120 python3 -m hf_flash demo 2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tee "$OUT/demo.log" | tail -12
+fi
+if has converge; then
+  timeout 300 python3 examples/convergence.py --text-file .data/tinyshakespeare.txt --max-steps 300 \
+    --out "$OUT/convergence" 2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tail -6
+fi
+if has kernels; then
+  timeout 420 python3 -m hf_flash.bench kernels --mode ${KERNEL_MODES:-fwd,bwd} ${BENCH_ARGS:-} --out "$OUT/bench" 2>&1 \
+    | tr '\r' '\n' | grep -v "kernels:" | tee "$OUT/kernels.log" | tail -55
+fi
+if has e2e; then
+  timeout 500 python3 -m hf_flash.bench e2e --out "$OUT/bench" 2>&1 | tr '\r' '\n' | grep -v "e2e:" \
+    | tee "$OUT/e2e.log" | tail -20
+fi
