@@ -19,7 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 import hf_flash  # noqa: E402  (registers "hf_flash")
-from hf_flash.integration import UnsupportedAttentionError  # noqa: E402
+from hf_flash import UnsupportedModelError  # noqa: E402
+from hf_flash.integration import UnsupportedAttentionError, attention_forward  # noqa: E402
 
 VOCAB, SEQ, LENGTHS, LAYERS = 97, 12, (12, 7), 2  # batch of 2: one full row, one padded row
 WINDOW = 4  # sliding windows smaller than SEQ, so they change the result
@@ -263,13 +264,20 @@ def test_output_attentions_fails_clearly():
 
 
 def test_attention_sinks_raise():
-    """gpt-oss adds learned sinks (s_aux): hf_flash must refuse rather than drop them."""
+    """gpt-oss adds learned sinks (s_aux): hf_flash must refuse (at load, or at the latest in the
+    attention call) rather than drop them or hand the model to another kernel."""
     config = transformers.GptOssConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
         max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"])
     torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM._from_config(config, attn_implementation="hf_flash").eval()
-    assert model.config._attn_implementation == "hf_flash"  # not rewritten to a hub kernel
-    with pytest.raises(UnsupportedAttentionError, match="sinks"):
+    with pytest.raises((UnsupportedModelError, UnsupportedAttentionError), match="sinks"):
+        model = transformers.GptOssForCausalLM._from_config(config, attn_implementation="hf_flash").eval()
         model(input_ids=data()[0])
+
+
+def test_attention_function_refuses_sinks():
+    q = torch.randn(1, 2, 4, 8)
+    module = torch.nn.Module()
+    with pytest.raises(UnsupportedAttentionError, match="sinks"):
+        attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
