@@ -14,7 +14,6 @@ ops (see ``hf_flash.ops``): dense ``(B, S, H, D)`` tensors, or varlen
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 

@@ -12,14 +12,13 @@ Writes e2e.csv and e2e.png to --out and prints a table last.
 
 from __future__ import annotations
 
-import csv
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
-from .kernels import environment
+from .kernels import write_csv
 
 BACKENDS = ("hf_flash", "sdpa", "flex_attention", "eager")
 TRAIN_SHAPES = {"2x4096": (2, 4096), "1x16384": (1, 16384), "packed-8192": (1, 8192)}
@@ -173,11 +172,6 @@ def run(args) -> None:
             rows.append(_safely(measure_train, task, shape, backend, shape, args.layers, args.steps))
         else:
             rows.append(_safely(measure_generate, task, shape, backend, args.layers))
-    os.makedirs(args.out, exist_ok=True)
-    env = environment()
-    with open(os.path.join(args.out, "e2e.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*asdict(rows[0]), *env])
-        writer.writeheader()
-        writer.writerows({**asdict(r), **env} for r in rows)
+    write_csv(rows, args.out, "e2e.csv")
     plot(rows, os.path.join(args.out, "e2e.png"))
     print(summary(rows))

@@ -123,6 +123,17 @@ def environment() -> dict:
             "cudnn": torch.backends.cudnn.version(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
 
 
+def write_csv(rows, out_dir: str, name: str) -> dict:
+    """Rows (dataclasses) plus the environment on every line, for appending runs together; returns the environment."""
+    os.makedirs(out_dir, exist_ok=True)
+    env = environment()
+    with open(os.path.join(out_dir, name), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*asdict(rows[0]), *env])
+        writer.writeheader()
+        writer.writerows({**asdict(r), **env} for r in rows)
+    return env
+
+
 def plot(rows: list[Row], path: str) -> None:
     import matplotlib
 
@@ -191,12 +202,7 @@ def run(args) -> None:
         if row is not None:
             rows.append(row)
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    env = environment()
-    with open(os.path.join(args.out, "kernels.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*asdict(rows[0]), *env])
-        writer.writeheader()
-        writer.writerows({**asdict(r), **env} for r in rows)
+    env = write_csv(rows, args.out, "kernels.csv")
     plot(rows, os.path.join(args.out, "kernels.png"))
     if any(m != "fwd" for m in modes) and not hf_bwd:
         print("hf_flash backward not built: its bwd / fwdbwd rows are skipped")
