@@ -143,7 +143,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, alibi, rng = ctx.saved_tensors
     max_q, max_k, scale, causal, wl, wr, softcap, p, det = ctx.attrs
-    dq, dk, dv = bwd(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr,
+    # No dout.contiguous(): bwd passes it through _for_kernel, which copies only what the kernel cannot read.
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal, wl, wr,
                      softcap, alibi, p, rng, det)
     return dq, dk, dv, *([None] * 14)
 

@@ -33,6 +33,9 @@ __device__ __forceinline__ void cp_async4(uint32_t smem_addr, const void* gmem, 
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(pred ? 4 : 0));
 }
 
+// Kernel options (bench A/B, HF_FLASH_BWD_VARIANT=5): the pre-v2.1 masked-block path (generic code).
+constexpr int kOptLegacy = 1;
+
 template <bool kIsBf16, int kHeadDim, int kBlockM_, bool kKVRegs_>
 struct Traits {
   using T = typename tile::Elem<kIsBf16>::T;
@@ -55,7 +58,8 @@ struct Traits {
 
 template <bool kIsBf16, int kHeadDim, int kBlockM_, bool kKVRegs_>
 __global__ void __launch_bounds__(kThreads, 1)
-    main_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, size_t copy_floats) {
+    main_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, size_t copy_floats,
+                int opts) {
   using Tr = Traits<kIsBf16, kHeadDim, kBlockM_, kKVRegs_>;
   using T = typename Tr::T;
   constexpr int kD = Tr::kD, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
@@ -68,19 +72,22 @@ __global__ void __launch_bounds__(kThreads, 1)
                  sDSt = tile::smem_u32(smem + Tr::kDSt);
   constexpr uint32_t kStageBytes = kBlockM * Tr::kStrideD * 2;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int hk = blockIdx.y, b = blockIdx.z, groups = p.h / p.h_k;
+  // Grid (key lanes, h_k, batch): CTAs start in linear order, so the key blocks of one head run together
+  // and share its Q/dO and dQ rows in L2 (kv head fastest measured 8-15% slower, NOTES-bwd.md v2.1).
+  const int bx = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, lanes = gridDim.x;
+  const int groups = p.h / p.h_k;
   const Seq seq(p, b);
   const int n_blocks = (seq.sk + kBlockN - 1) / kBlockN;
   const int off = seq.sk - seq.sq;  // diagonal offset (bottom-right alignment)
   const int wl = p.window_left, wr = p.window_right;
-  // Deterministic: this lane owns copy blockIdx.x (see dq_copies).
-  float* dq_base = dq_acc + (p.deterministic ? blockIdx.x * copy_floats : 0);
+  // Deterministic: this lane owns copy bx (see dq_copies).
+  float* dq_base = dq_acc + (p.deterministic ? bx * copy_floats : 0);
   const float scale_over_cap = p.softcap > 0 ? p.softmax_scale / p.softcap : 0.f;
   uint64_t seed = 0;
   uint32_t rng_offset = 0;
   if (p.p_dropout > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
 
-  for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
+  for (int n_block = bx; n_block < n_blocks; n_block += lanes) {
     const int n0 = n_block * kBlockN;
     __syncthreads();  // the previous key block is done with K/V and every buffer
     const T* k = static_cast<const T*>(p.k) + p.k_batch_stride * b + int64_t(seq.k0 + n0) * p.k_row_stride +
@@ -178,10 +185,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                           (wl < 0 || n0 >= m0 + kBlockM - 1 + off - wl);
         const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
         uint32_t pt[kBlockM / 16][4], dst[kBlockM / 16][4];  // A fragments of P^T and dS^T (k = queries)
-        // P, dS from S, dP. The common case (no softcap, ALiBi, dropout or mask in this block) runs a
-        // 4-instruction-per-element path; everything else the generic one.
-        auto pointwise = [&](auto generic_tag) {
-          constexpr bool kGeneric = decltype(generic_tag)::value;
+        // P, dS from S, dP. Mode 0 (no softcap, ALiBi or dropout; masked blocks get S = -inf first, below):
+        // 4 instructions per element; mode 2 (softcap, ALiBi or dropout, or opts & kOptLegacy on a masked
+        // block): the generic code.
+        auto pointwise = [&](auto mode_tag) {
+          constexpr int kMode = decltype(mode_tag)::value;
+          constexpr bool kGeneric = kMode == 2;
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
             const int qc = 8 * j + 2 * t;
@@ -196,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               float pv[2], dsv[2];
 #pragma unroll
               for (int e = 0; e < 2; ++e) {
-                if constexpr (!kGeneric) {
+                if constexpr (kMode == 0) {
                   const float prob = tile::fast_exp2(fmaf(s[j][2 * h2 + e], p.softmax_scale_log2, -lse2[e]));
                   pv[e] = prob;
                   dsv[e] = prob * fmaf(dp[j][2 * h2 + e], p.softmax_scale, -dsv_row[e]);
@@ -230,10 +239,25 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
         };
-        if (full && p.softcap <= 0.f && !p.alibi_slopes && p.p_dropout <= 0.f) {
-          pointwise(std::false_type{});
+        const bool plain = p.softcap <= 0.f && !p.alibi_slopes && p.p_dropout <= 0.f;
+        if (plain && !full && !(opts & kOptLegacy)) {
+          // Mask only (causal diagonal, window edge, sequence end): S = -inf where invisible, so mode 0
+          // gives P = 0 and dS = 0 there (LSE is +inf on empty rows, never -inf: no NaN).
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const int key = n0 + 16 * warp + g + 8 * (r / 2), row = m0 + 8 * j + 2 * t + r % 2;
+              const bool visible = row < seq.sq && key < seq.sk && (wl < 0 || key >= row + off - wl) &&
+                                   (wr < 0 || key <= row + off + wr);
+              if (!visible) s[j][r] = -INFINITY;
+            }
+          }
+        }
+        if (plain && (full || !(opts & kOptLegacy))) {
+          pointwise(std::integral_constant<int, 0>{});
         } else {
-          pointwise(std::true_type{});
+          pointwise(std::integral_constant<int, 2>{});
         }
         // dV += P^T dO, dK += dS^T Q: A from registers, B by ldmatrix.trans.
         const int b_row = lane % 8 + lane / 8 % 2 * 8, b_col = lane / 16 * 8;

@@ -9,14 +9,14 @@
 namespace hf_flash {
 namespace bwd {
 
-template <class Kernel>
+template <class Kernel, class... Extra>
 cudaError_t launch_main(Kernel kernel, int smem_bytes, const BwdParams& params, int copies, float* dsum,
-                        float* dq_acc, size_t copy_floats, cudaStream_t stream) {
+                        float* dq_acc, size_t copy_floats, cudaStream_t stream, Extra... extra) {
   // Once per instantiation (each Kernel type here is one function pointer per call site).
   cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(params.deterministic ? copies : num_n_blocks(params), params.h_k, params.b);
-  kernel<<<grid, kThreads, smem_bytes, stream>>>(params, dsum, dq_acc, copy_floats);
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(params, dsum, dq_acc, copy_floats, extra...);
   return cudaSuccess;
 }
 
@@ -42,11 +42,13 @@ cudaError_t run_bwd_hdim(const BwdParams& params, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(dq_acc, 0, sizeof(float) * ws.dq_copy_floats * copies, stream);
   if (err != cudaSuccess) return err;
   const int64_t row_warps = int64_t(params.total_q) * params.h;
+  constexpr int kDotLanes = bwd::dot_lanes(kHeadDim);
   bwd::dot_do_o_kernel<kIsBf16, kHeadDim>
-      <<<(row_warps * 32 + bwd::kThreads - 1) / bwd::kThreads, bwd::kThreads, 0, stream>>>(params, dsum);
+      <<<(row_warps * kDotLanes + bwd::kThreads - 1) / bwd::kThreads, bwd::kThreads, 0, stream>>>(params, dsum);
 
   if constexpr (kHeadDim <= 128) {
     bool done = false;
+    const int opts = bwd::bwd_variant() == 5 ? bwd::kOptLegacy : 0;
     if constexpr (kIsBf16 && (kHeadDim == 64 || kHeadDim == 128)) {
       const int variant = bwd::bwd_variant();
       if (variant == 9) {  // v1, for A/B runs
@@ -59,12 +61,12 @@ cudaError_t run_bwd_hdim(const BwdParams& params, cudaStream_t stream) {
         if (variant == 1) {
           using Tr = bwd::Traits<kIsBf16, kHeadDim, 64, true>;
           err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, 64, true>, Tr::kSmemBytes, params, copies,
-                                 dsum, dq_acc, ws.dq_copy_floats, stream);
+                                 dsum, dq_acc, ws.dq_copy_floats, stream, opts);
           done = true;
         } else if (variant == 3) {  // 64 query rows (the d64 default until v2 measured 128 faster)
           using Tr = bwd::Traits<kIsBf16, kHeadDim, 64, false>;
           err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, 64, false>, Tr::kSmemBytes, params, copies,
-                                 dsum, dq_acc, ws.dq_copy_floats, stream);
+                                 dsum, dq_acc, ws.dq_copy_floats, stream, opts);
           done = true;
         }
       }
@@ -73,7 +75,7 @@ cudaError_t run_bwd_hdim(const BwdParams& params, cudaStream_t stream) {
       constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
       using Tr = bwd::Traits<kIsBf16, kHeadDim, kBlockM, false>;
       err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, kBlockM, false>, Tr::kSmemBytes, params, copies,
-                             dsum, dq_acc, ws.dq_copy_floats, stream);
+                             dsum, dq_acc, ws.dq_copy_floats, stream, opts);
     }
   } else {
     using Tr = bwd::TraitsV1<kIsBf16, kHeadDim>;
