@@ -69,6 +69,8 @@ _TOKEN_ID = re.compile(r"_token_id$")
 # Per-type corrections for configs whose defaults tie several sizes together.
 FIXUPS: dict[str, dict] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 4},
+    # one linear-attention layer, then one full-attention layer (MLA: kv heads = query heads)
+    "bailing_hybrid": {"layer_group_size": 2, "num_key_value_heads": 4},
 }
 
 
@@ -118,6 +120,10 @@ def tiny_config(model_type: str):
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
+    if model_type == "encoder-decoder":  # a composite of two sub-configs (5.23's default: two full-size BERTs)
+        decoder = tiny_config("bert")
+        decoder.is_decoder = decoder.add_cross_attention = True
+        return cls.from_encoder_decoder_configs(tiny_config("bert"), decoder)
     defaults = cls().to_dict()
     kw = {}
     for value, names in _SHRINK.items():
@@ -187,7 +193,7 @@ def _valid(logits, mask, config):
 _ATTENTION_NAME = re.compile(r"(Attention|Attn)$|SelfAttention|MultiHeadAttention")
 
 
-_NOT_SOFTMAX = re.compile(r"Linear|Lightning|Mamba|Recurrent|Retention|Gated|DeltaNet|Conv|Fourier|Mixer")
+_NOT_SOFTMAX = re.compile(r"Linear|Lightning|Mamba|Recurrent|Retention|Gated|Delta|Conv|Fourier|Mixer")
 
 
 def _leaf_attention_modules(model):
@@ -214,6 +220,10 @@ class _ScoreSoftmaxSpy(torch.overrides.TorchFunctionMode):
             dim = kwargs.get("dim", args[1] if len(args) > 1 else -1)
             if t.dim() >= 3 and isinstance(dim, int) and t.shape[dim] in self.LENGTHS and t.shape[-2] in self.LENGTHS:
                 self.seen.append(f"{name}{tuple(t.shape)}")
+        elif name == "scaled_dot_product_attention" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            # over a sequence's keys only: inkling2's block residuals attend over layer outputs, not tokens
+            if args[1].dim() >= 2 and args[1].shape[-2] in self.LENGTHS:
+                self.seen.append(f"scaled_dot_product_attention{tuple(args[1].shape)}")
         elif name == "scaled_dot_product_attention":
             self.seen.append("scaled_dot_product_attention")
         return func(*args, **kwargs)

@@ -42,6 +42,11 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
         raise UnsupportedAttentionError(
             f"hf_flash does not support attention sinks (s_aux), used by {type(module).__name__}; "
             "load this model with attn_implementation='eager' or 'sdpa'")
+    for extra in ("sinks", "position_bias"):  # score terms the flash wrapper would silently drop (inkling)
+        if kwargs.get(extra) is not None:
+            raise UnsupportedAttentionError(
+                f"hf_flash cannot add {extra!r} to the attention scores, used by {type(module).__name__}; "
+                "load this model with attn_implementation='eager' or 'sdpa'")
     if kwargs.get("output_attentions"):
         raise UnsupportedAttentionError("hf_flash never materialises attention weights; "
                                         "use attn_implementation='eager' with output_attentions=True")
@@ -76,7 +81,11 @@ def _install_lazy_import_hook(mfau) -> None:
 
 
 def _allow_in_model_flash_lists() -> None:
-    """Models that pin their flash kernels (``_compatible_flash_implementations``) accept ours too."""
+    """Models that pin their flash kernels (``_compatible_flash_implementations``) accept ours too.
+
+    Import time, for the types known here; ``hf_flash.patches`` does the same for any other model class
+    when it is loaded with hf_flash (``allow_hf_flash_in_flash_list``: flint, new types in newer 5.x).
+    """
     import transformers
 
     for model_type in ("gpt_oss", "granite_swa", "granitemoe_swa", "openai_privacy_filter", "minimax_m3_vl"):

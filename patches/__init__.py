@@ -55,15 +55,20 @@ _CROSS = ("its encoder-decoder cross-attention with a padded encoder batch does 
 _BIAS = "it adds a learned relative position bias to the scores, which a 2-D flash padding mask cannot carry"
 _UNDIAGNOSED = "its outputs differ from eager in the coverage sweep (cause not diagnosed yet)"
 _MASK = "it builds custom 4-D attention masks that flash attention cannot express"
+_BIAS_SINKS = ("its attention call adds a learned relative position bias and per-token sinks (position_bias=, "
+               "sinks=), which flash attention cannot carry")
 REFUSED: dict[str, str] = {
     "gpt_oss": _SINKS, "granite_swa": _SINKS, "granitemoe_swa": _SINKS, "deepseek_v4": _SINKS,
-    "mimo_v2_flash": "it pins its own flash kernels (_compatible_flash_implementations)",
+    "mimo_v2_flash": _SINKS,  # its sliding-window layers (it also pins flash kernels: patched at load)
     "t5": _BIAS, "mt5": _BIAS, "umt5": _BIAS, "longt5": _BIAS, "switch_transformers": _BIAS, "pop2piano": _BIAS,
     "m2m_100": _CROSS, "nllb-moe": _CROSS, "pegasus": _CROSS, "pegasus_x": _UNDIAGNOSED, "bigbird_pegasus": _UNDIAGNOSED,
     "gemma4_text": "its global layers use head_dim 512, above hf_flash's maximum 256",
     "gemma4_unified_text": "its global layers use head_dim 512, above hf_flash's maximum 256",
     "mobilebert": "its gradients differ from eager in the coverage sweep (logits match; cause not diagnosed yet)",
-    "doge": _MASK, "hy_v4": _MASK, "markuplm": _MASK, "inkling_text": _UNDIAGNOSED,
+    "doge": _MASK, "hy_v4": _MASK, "markuplm": _MASK,
+    "inkling_text": _BIAS_SINKS, "inkling2_text": _BIAS_SINKS,
+    # EncoderDecoderModel (5.23's default config pairs two BERTs): a BERT decoder cross-attends to the encoder
+    "encoder-decoder": _CROSS,
 }
 
 
@@ -133,6 +138,30 @@ def _module_routes_attention(module_name: str) -> Optional[bool]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _module_passes_sinks(module_name: str) -> bool:
+    """True if the modeling module hands learned attention sinks (``s_aux=``) to the attention function."""
+    path = getattr(sys.modules.get(module_name), "__file__", None)
+    if not path:
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            return "s_aux=" in f.read()
+    except OSError:
+        return False
+
+
+def allow_hf_flash_in_flash_list(model_cls) -> None:
+    """A model class that pins its flash kernels (``_compatible_flash_implementations``) keeps "hf_flash".
+
+    transformers rewrites any other "flash" name to the first entry of that list (a hub kernel, which
+    needs the ``kernels`` package); with ours in the list, the model runs on hf_flash or refuses here.
+    """
+    names = getattr(model_cls, "_compatible_flash_implementations", None)
+    if isinstance(names, (list, tuple)) and NAME not in names:
+        model_cls._compatible_flash_implementations = [*names, NAME]
+
+
 def _refusal(model_type: str, why: str) -> UnsupportedModelError:
     return UnsupportedModelError(
         f"model type {model_type!r} cannot run on attn_implementation='hf_flash': {why}. "
@@ -150,6 +179,8 @@ def check_supported(model_cls, config) -> None:
         return
     if model_type in REFUSED:
         raise _refusal(model_type, REFUSED[model_type])
+    if _module_passes_sinks(model_cls.__module__):
+        raise _refusal(model_type, _SINKS)
     for attr in ("head_dim", "global_head_dim", "v_head_dim"):
         try:
             value = getattr(config, attr, None)
@@ -235,6 +266,7 @@ def install() -> None:
         def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
             if isinstance(attn_implementation, str) and attn_implementation.removeprefix("paged|") == NAME:
                 check_supported(type(self), self.config)
+                allow_hf_flash_in_flash_list(type(self))
                 model_type = getattr(self.config, "model_type", None)
                 if model_type in PATCH_MODULES:
                     MODEL_TYPE_TO_PATCH[model_type]()  # class tables, before the modules are built

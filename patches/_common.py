@@ -93,6 +93,22 @@ def is_patched(module: torch.nn.Module, name: str = "forward") -> bool:
     return hasattr(module.__dict__.get(name), "_hf_flash_patch")
 
 
+def bind_eager_forward(model: torch.nn.Module, eager_cls: type, config) -> int:
+    """Run ``eager_cls.forward`` on every instance of a subclass that overrides it (this instance only).
+
+    transformers >= 5.23 builds the legacy ``*FlashAttention2`` subclass for any implementation name
+    containing "flash" (``is_flash_attention_requested``); its forward calls ``_flash_attention_forward``,
+    a name its module imports only when flash_attn is installed. The eager forward calls ``_attn``,
+    which the patches rebind onto hf_flash, so the patch does not depend on that name.
+    """
+    n = 0
+    for module in model.modules():
+        if isinstance(module, eager_cls) and type(module).forward is not eager_cls.forward:
+            bind(module, "forward", eager_cls.forward, config)
+            n += 1
+    return n
+
+
 def bind_all(model: torch.nn.Module, classes, name: str, fn: Callable, config) -> int:
     """Bind ``fn`` on every submodule of one of ``classes``; returns how many."""
     n = 0

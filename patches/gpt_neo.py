@@ -2,13 +2,16 @@
 
 Loading with hf_flash would fail with a KeyError in ``GPT_NEO_ATTENTION_CLASSES``;
 the eager class is used and its score computation ``_attn`` runs on hf_flash.
+transformers >= 5.23 builds the ``*FlashAttention2`` subclass for any name
+containing "flash"; its instances get the eager ``forward`` back (the flash one
+calls ``_flash_attention_forward``, imported only with flash_attn installed).
 GPT-Neo does not scale its scores (softmax scale 1.0); a local layer lets token
 i see the ``window_size`` tokens ``i-window_size+1 .. i``.
 """
 
 from __future__ import annotations
 
-from ._common import NAME, attend, bind_all, dropout_p
+from ._common import NAME, attend, bind_all, bind_eager_forward, dropout_p
 
 MODULE = "transformers.models.gpt_neo.modeling_gpt_neo"
 
@@ -25,4 +28,5 @@ def apply_hf_flash_to_gpt_neo(model=None):
 
     m.GPT_NEO_ATTENTION_CLASSES.setdefault(NAME, m.GPTNeoSelfAttention)
     if model is not None:
+        bind_eager_forward(model, m.GPTNeoSelfAttention, model.config)  # 5.23+ builds the FlashAttention2 subclass
         return bind_all(model, m.GPTNeoSelfAttention, "_attn", _attn, model.config)

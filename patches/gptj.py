@@ -2,11 +2,14 @@
 
 Loading with hf_flash would fail with a KeyError in ``GPTJ_ATTENTION_CLASSES``;
 the eager class is used and its ``_attn`` runs on hf_flash.
+transformers >= 5.23 builds the ``*FlashAttention2`` subclass for any name
+containing "flash"; its instances get the eager ``forward`` back (the flash one
+calls ``_flash_attention_forward``, imported only with flash_attn installed).
 """
 
 from __future__ import annotations
 
-from ._common import NAME, attend, bind_all, dropout_p
+from ._common import NAME, attend, bind_all, bind_eager_forward, dropout_p
 
 MODULE = "transformers.models.gptj.modeling_gptj"
 
@@ -22,4 +25,5 @@ def apply_hf_flash_to_gptj(model=None):
 
     m.GPTJ_ATTENTION_CLASSES.setdefault(NAME, m.GPTJAttention)
     if model is not None:
+        bind_eager_forward(model, m.GPTJAttention, model.config)  # 5.23+ builds the FlashAttention2 subclass
         return bind_all(model, m.GPTJAttention, "_attn", _attn, model.config)
