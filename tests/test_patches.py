@@ -62,8 +62,11 @@ def test_patch_keeps_state_dict_and_matches_eager(model_type, kernel_calls):
     assert kernel_calls["fwd"] == config.num_hidden_layers if hasattr(config, "num_hidden_layers") else kernel_calls["fwd"] > 0
     valid = mask.bool()
     torch.testing.assert_close(actual[valid], expected[valid], atol=5e-5, rtol=1e-4)
-    loaded = build(model_type, config, "hf_flash")
+    loaded = build(model_type, config, "hf_flash").eval()
     assert list(loaded.state_dict()) == keys
+    loaded.load_state_dict(eager.state_dict())  # loaded with hf_flash (5.23+: gpt_neo/gptj/falcon's flash classes)
+    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).logits[valid], expected[valid],
+                               atol=5e-5, rtol=1e-4)
     # switching back to eager falls back to the class's own code
     eager.set_attn_implementation("eager") if model_type not in ("gpt_neo", "gptj", "falcon") else None
 
@@ -108,3 +111,29 @@ def test_other_models_of_a_patched_class_are_untouched(kernel_calls):
     assert kernel_calls["fwd"] == config.n_layer
     assert patches._common.is_patched(flash.transformer.h[0].self_attention)
     assert not patches._common.is_patched(eager.transformer.h[0].self_attention)
+
+
+def test_model_pinning_flash_kernels_keeps_hf_flash(kernel_calls):
+    """A class with ``_compatible_flash_implementations`` (flint, gpt-oss, ...) would have "hf_flash" rewritten to
+    its first hub kernel; loading with hf_flash adds ours to the list, so it runs on hf_flash (or refuses)."""
+
+    class PinnedLlama(transformers.LlamaForCausalLM):
+        _compatible_flash_implementations = ["kernels-community/vllm-flash-attn3"]
+
+    config = tiny_config("llama")
+    torch.manual_seed(0)
+    model = PinnedLlama._from_config(config, attn_implementation="hf_flash").eval()
+    assert model.config._attn_implementation == "hf_flash"
+    assert PinnedLlama._compatible_flash_implementations[-1] == "hf_flash"
+    model(input_ids=torch.randint(3, 100, (1, 5)))
+    assert kernel_calls["fwd"] == config.num_hidden_layers
+
+
+def test_sink_and_bias_models_refuse_at_load():
+    for model_type in ("gpt_oss", "inkling_text", "inkling2_text", "flint"):
+        try:
+            config = tiny_config(model_type)
+        except KeyError:  # not in this transformers version
+            continue
+        with pytest.raises(UnsupportedModelError, match=f"'{model_type}'.*(sinks|position bias)"):
+            build(model_type, config, "hf_flash")
