@@ -12,13 +12,12 @@ notes in the repository's docs):
 * an unregistered mask function silently drops padding: we register the
   flash-attention mask (2-D ``(batch, kv)`` bool) for our name;
 * models with ``_compatible_flash_implementations`` rewrite any flash name to
-  their own kernel: we add ours to their lists.
+  their own kernel: ``hf_flash.patches`` adds ours to the list of the class being loaded.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 
 from . import interface
@@ -80,26 +79,6 @@ def _install_lazy_import_hook(mfau) -> None:
     mfau._lazy_imports = _lazy_imports
 
 
-def _allow_in_model_flash_lists() -> None:
-    """Models that pin their flash kernels (``_compatible_flash_implementations``) accept ours too.
-
-    Import time, for the types known here; ``hf_flash.patches`` does the same for any other model class
-    when it is loaded with hf_flash (``allow_hf_flash_in_flash_list``: flint, new types in newer 5.x).
-    """
-    import transformers
-
-    for model_type in ("gpt_oss", "granite_swa", "granitemoe_swa", "openai_privacy_filter", "minimax_m3_vl"):
-        try:
-            module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        except ImportError:
-            continue
-        for obj in vars(module).values():
-            if isinstance(obj, type) and issubclass(obj, transformers.PreTrainedModel):
-                names = obj.__dict__.get("_compatible_flash_implementations")
-                if names is not None and NAME not in names:
-                    obj._compatible_flash_implementations = [*names, NAME]
-
-
 def _check_version(transformers) -> None:
     version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
     if version < MIN_TRANSFORMERS or version[0] != 5:
@@ -122,7 +101,6 @@ def register() -> bool:
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, flash_attention_mask)
     _install_lazy_import_hook(mfau)
-    _allow_in_model_flash_lists()
     from .patches import install as _install_model_patches  # legacy families: patch at load, or refuse
 
     _install_model_patches()
