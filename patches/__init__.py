@@ -57,6 +57,11 @@ _UNDIAGNOSED = "its outputs differ from eager in the coverage sweep (cause not d
 _MASK = "it builds custom 4-D attention masks that flash attention cannot express"
 _BIAS_SINKS = ("its attention call adds a learned relative position bias and per-token sinks (position_bias=, "
                "sinks=), which flash attention cannot carry")
+_DSA = ("its DeepSeek Sparse Attention indexer folds a per-query top-k key selection into a 4-D attention mask "
+        "(and indexes that mask directly), which flash attention cannot express")
+_ZERO_PAD = ("with a padded batch, flash attention leaves the padded positions' outputs at zero, and its AltUp "
+             "magnitude rescaling (sqrt of the mean square) has an infinite derivative at zero, so parameter "
+             "gradients become NaN (eager gives padded positions non-zero outputs; logits on real tokens match)")
 REFUSED: dict[str, str] = {
     "gpt_oss": _SINKS, "granite_swa": _SINKS, "granitemoe_swa": _SINKS, "deepseek_v4": _SINKS,
     "mimo_v2_flash": _SINKS,  # its sliding-window layers (it also pins flash kernels: patched at load)
@@ -65,6 +70,8 @@ REFUSED: dict[str, str] = {
     "gemma4_text": "its global layers use head_dim 512, above hf_flash's maximum 256",
     "gemma4_unified_text": "its global layers use head_dim 512, above hf_flash's maximum 256",
     "mobilebert": "its gradients differ from eager in the coverage sweep (logits match; cause not diagnosed yet)",
+    "deepseek_v32": _DSA, "glm_moe_dsa": _DSA, "axk2": _DSA, "dots3_note_text": _DSA,
+    "gemma3n_text": _ZERO_PAD,
     "doge": _MASK, "hy_v4": _MASK, "markuplm": _MASK,
     "inkling_text": _BIAS_SINKS, "inkling2_text": _BIAS_SINKS,
     # EncoderDecoderModel (5.23's default config pairs two BERTs): a BERT decoder cross-attends to the encoder
