@@ -71,6 +71,25 @@ FIXUPS: dict[str, dict] = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": 4},
     # one linear-attention layer, then one full-attention layer (MLA: kv heads = query heads)
     "bailing_hybrid": {"layer_group_size": 2, "num_key_value_heads": 4},
+    # hybrids: a mamba layer, then a layer with softmax attention
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+              "mamba_dt_rank": 4},
+    "zamba": {"layers_block_type": ["hybrid", "hybrid"], "attention_head_dim": 16, "mamba_dt_rank": 4},
+    "zamba2": {"layers_block_type": ["linear_attention", "hybrid"], "hybrid_layer_ids": [1], "attention_head_dim": 16,
+               "mamba_headdim": 16, "kv_channels": 16, "num_query_groups": 4},
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4},
+    "qwen3_5_text": {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
+                     "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4},
+    "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"], "linear_key_head_dim": 16,
+                         "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 64},
+    "zaya": {"layer_types": ["hybrid", "hybrid"], "num_experts_per_tok": 1},
+    "gemma3n_text": {"layer_types": ["sliding_attention", "full_attention"], "num_kv_shared_layers": 0,
+                     "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "laurel_rank": 8,
+                     "activation_sparsity_pattern": [0.0, 0.0]},
 }
 
 
@@ -138,6 +157,14 @@ def tiny_config(model_type: str):
         elif name in ("sliding_window", "window_size", "attention_window", "local_window_size") and (
                 isinstance(value, int) and value > 0):
             kw[name] = 4
+    # sizes whose default is None (derived from the full-size config elsewhere, or required from checkpoints)
+    for name, value in (("head_dim", 16), ("num_key_value_heads", 2), ("num_experts_per_tok", 2)):
+        if name in defaults and defaults[name] is None:
+            kw[name] = value
+    if "kv_lora_rank" in defaults:  # MLA: keys/values are expanded to every query head (kv heads = heads)
+        kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)
+    if isinstance(defaults.get("n_group"), int):  # grouped MoE routing: one group of the 4 experts
+        kw.update(n_group=1, topk_group=1)
     if "attn_layer_indices" in defaults:  # hybrids: one attention layer of the two
         kw["attn_layer_indices"] = [1]
     if "initializer_range" in defaults:
