@@ -53,7 +53,34 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
         raise UnsupportedAttentionError(
             f"hf_flash takes a 2-D (batch, kv_len) padding mask, got a {attention_mask.dim()}-D mask from "
             f"{type(module).__name__}: this model builds custom masks that flash attention cannot express")
+    is_causal = kwargs.get("is_causal")
+    is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    if attention_mask is not None and _is_cross_attention(module, is_causal):
+        return _cross_attention(query, key, value, attention_mask, kwargs.get("dropout", 0.0), kwargs.get("scaling"))
     return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _is_cross_attention(module, is_causal: bool) -> bool:
+    """Decoder attention over encoder states (Bart/M2M100/Pegasus-style and BERT-style decoders)."""
+    return "CrossAttention" in type(module).__name__ or (getattr(module, "is_decoder", False) and not is_causal)
+
+
+def _cross_attention(query, key, value, key_mask, dropout: float, scaling):
+    """Every query row attends to the unpadded keys of its batch row, as eager does.
+
+    transformers' flash wrapper would unpad the queries with the encoder's key mask (sliced to the query
+    length), which drops or misaligns decoder rows whenever the two sides are padded differently."""
+    import torch
+
+    b, h, sq, d = query.shape
+    valid = key_mask.bool()
+    lengths = valid.sum(-1, dtype=torch.int32)
+    cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    cu_seqlens_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=query.device)
+    out = interface.flash_attn_varlen_func(
+        query.transpose(1, 2).reshape(b * sq, h, d), key.transpose(1, 2)[valid], value.transpose(1, 2)[valid],
+        cu_seqlens_q, cu_seqlens_k, sq, int(lengths.max()), dropout_p=dropout, softmax_scale=scaling, causal=False)
+    return out.view(b, sq, h, -1), None
 
 
 def _kernels():

@@ -50,8 +50,6 @@ PATCH_MODULES = {
 
 # Types that use transformers' attention interface but still cannot run on hf_flash, with the reason.
 _SINKS = "its attention uses learned sinks (s_aux), which hf_flash does not implement"
-_CROSS = ("its encoder-decoder cross-attention with a padded encoder batch does not match eager through "
-          "transformers' flash wrapper (the key padding mask is sliced to the query length)")
 _BIAS = "it adds a learned relative position bias to the scores, which a 2-D flash padding mask cannot carry"
 _UNDIAGNOSED = "its outputs differ from eager in the coverage sweep (cause not diagnosed yet)"
 _MASK = "it builds custom 4-D attention masks that flash attention cannot express"
@@ -66,7 +64,7 @@ REFUSED: dict[str, str] = {
     "gpt_oss": _SINKS, "granite_swa": _SINKS, "granitemoe_swa": _SINKS, "deepseek_v4": _SINKS,
     "mimo_v2_flash": _SINKS,  # its sliding-window layers (it also pins flash kernels: patched at load)
     "t5": _BIAS, "mt5": _BIAS, "umt5": _BIAS, "longt5": _BIAS, "switch_transformers": _BIAS, "pop2piano": _BIAS,
-    "m2m_100": _CROSS, "nllb-moe": _CROSS, "pegasus": _CROSS, "pegasus_x": _UNDIAGNOSED, "bigbird_pegasus": _UNDIAGNOSED,
+    "nllb-moe": _UNDIAGNOSED, "pegasus": _UNDIAGNOSED, "pegasus_x": _UNDIAGNOSED, "bigbird_pegasus": _UNDIAGNOSED,
     "gemma4_text": "its global layers use head_dim 512, above hf_flash's maximum 256",
     "gemma4_unified_text": "its global layers use head_dim 512, above hf_flash's maximum 256",
     "mobilebert": "its gradients differ from eager in the coverage sweep (logits match; cause not diagnosed yet)",
@@ -74,8 +72,6 @@ REFUSED: dict[str, str] = {
     "gemma3n_text": _ZERO_PAD,
     "doge": _MASK, "hy_v4": _MASK, "markuplm": _MASK,
     "inkling_text": _BIAS_SINKS, "inkling2_text": _BIAS_SINKS,
-    # EncoderDecoderModel (5.23's default config pairs two BERTs): a BERT decoder cross-attends to the encoder
-    "encoder-decoder": _CROSS,
 }
 
 

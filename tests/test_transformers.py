@@ -281,3 +281,24 @@ def test_attention_function_refuses_sinks():
     module = torch.nn.Module()
     with pytest.raises(UnsupportedAttentionError, match="sinks"):
         attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+
+
+@pytest.mark.parametrize("model_type", ["bart", "m2m_100"])
+def test_cross_attention_with_differently_padded_encoder_and_decoder(model_type):
+    """Decoder rows attend to every unpadded encoder key, whatever either side's padding (as eager)."""
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=1)
+    enc, enc_mask = torch.randint(3, VOCAB, (2, 11)), torch.ones(2, 11, dtype=torch.long)
+    enc_mask[1, 6:] = 0
+    dec, dec_mask = torch.randint(3, VOCAB, (2, 7)), torch.ones(2, 7, dtype=torch.long)
+    dec_mask[0, 5:] = 0
+    logits = {}
+    for impl in ("eager", "hf_flash"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForSeq2SeqLM.from_config(config, attn_implementation=impl).eval()
+        logits[impl] = model(input_ids=enc, attention_mask=enc_mask, decoder_input_ids=dec,
+                             decoder_attention_mask=dec_mask).logits
+    valid = dec_mask.bool()
+    torch.testing.assert_close(logits["hf_flash"][valid], logits["eager"][valid], atol=5e-5, rtol=1e-4)
