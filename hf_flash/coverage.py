@@ -211,6 +211,15 @@ def _output(model, inputs):
     return out.logits
 
 
+def _forward_backward(model, inputs, mask, config, backward: bool, forward_context=contextlib.nullcontext()):
+    """Valid-position outputs of one forward (inside ``forward_context``), then a backward of a scalar loss."""
+    with forward_context:
+        out = _valid(_output(model, inputs), mask, config)
+    if backward:
+        out.float().pow(2).mean().backward()
+    return out
+
+
 def _valid(logits, mask, config):
     if logits.dim() == 3 and logits.shape[1] == SEQ and not getattr(config, "is_encoder_decoder", False):
         return logits[mask]
@@ -304,9 +313,7 @@ def run_one(model_type: str, backward: bool = True) -> Result:
         eager = build(model_type, config, "eager").train(False)
         inputs, mask = _inputs(eager, config)
         eager.zero_grad()
-        out_e = _valid(_output(eager, inputs), mask, config)
-        if backward:
-            out_e.float().pow(2).mean().backward()
+        out_e = _forward_backward(eager, inputs, mask, config, backward)
     except Exception as e:
         return result("untestable", f"eager: {_first_line(e)}")
     try:
@@ -318,8 +325,7 @@ def run_one(model_type: str, backward: bool = True) -> Result:
             return result("refusal", _first_line(e))
         return result("crash", f"load: {_first_line(e)}")
     try:
-        missing = model.load_state_dict(eager.state_dict(), strict=True)
-        del missing
+        model.load_state_dict(eager.state_dict(), strict=True)
     except Exception as e:
         return result("crash", f"state-dict keys differ from eager: {_first_line(e)}")
     attn_calls = {"n": 0}
@@ -328,10 +334,7 @@ def run_one(model_type: str, backward: bool = True) -> Result:
     spy = _ScoreSoftmaxSpy()
     try:
         with _count_kernel_calls() as calls:
-            with spy:
-                out_f = _valid(_output(model, inputs), mask, config)
-            if backward:
-                out_f.float().pow(2).mean().backward()
+            out_f = _forward_backward(model, inputs, mask, config, backward, forward_context=spy)
     except Exception as e:
         return result("crash", f"forward/backward: {_first_line(e)}")
     finally:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import logging
 
+import torch
+
 from . import interface
 
 logger = logging.getLogger("hf_flash")
@@ -70,8 +72,6 @@ def _cross_attention(query, key, value, key_mask, dropout: float, scaling):
 
     transformers' flash wrapper would unpad the queries with the encoder's key mask (sliced to the query
     length), which drops or misaligns decoder rows whenever the two sides are padded differently."""
-    import torch
-
     b, h, sq, d = query.shape
     valid = key_mask.bool()
     lengths = valid.sum(-1, dtype=torch.int32)
