@@ -16,6 +16,7 @@ trains LoRA adapters with PEFT.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -43,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logging-steps", type=int, default=None, help="default: max_steps / 20")
     p.add_argument("--output-dir", default="out/finetune")
+    p.add_argument("--loss-log", help="write the per-step training losses here (JSON), e.g. to compare runs")
     return p.parse_args(argv)
 
 
@@ -114,9 +116,14 @@ class Throughput(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and self.start is not None:
-            logs["tokens_per_s"] = round(self.tokens / (time.perf_counter() - self.start))
+            # Every process sees an equal share of each global batch (data parallel): scale by world size.
+            logs["tokens_per_s"] = round(self.tokens * args.world_size / (time.perf_counter() - self.start))
             if torch.cuda.is_available():
                 logs["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
+def per_step_losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 def main(argv=None):
@@ -142,12 +149,19 @@ def main(argv=None):
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=args.lr, warmup_steps=args.max_steps // 10, logging_steps=args.logging_steps or max(1, args.max_steps // 20),
         save_strategy="no", report_to=[], seed=args.seed, bf16=dtype == torch.bfloat16,
-        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, remove_unused_columns=False)
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, remove_unused_columns=False,
+        ddp_find_unused_parameters=False)
     trainer = Trainer(model=model, args=training_args, train_dataset=examples, data_collator=collate,
                       callbacks=[throughput])
     result = trainer.train()
-    print(f"attn={args.attn} packing={args.packing} final loss {result.training_loss:.4f} "
-          f"tokens/s {throughput.tokens / (time.perf_counter() - throughput.start):.0f}")
+    if trainer.is_world_process_zero():
+        if args.loss_log:
+            with open(args.loss_log, "w") as f:
+                json.dump(per_step_losses(trainer), f)
+        tokens_per_s = throughput.tokens * training_args.world_size / (time.perf_counter() - throughput.start)
+        print(f"attn={args.attn} packing={args.packing} processes={training_args.world_size} "
+              f"parallel={trainer.accelerator.distributed_type.value} "
+              f"final loss {result.training_loss:.4f} tokens/s {tokens_per_s:.0f}")
     return trainer
 
 

@@ -2,7 +2,8 @@
 # The whole product on one GPU machine: build, every GPU test, the demo, the
 # convergence example, kernel and end-to-end benchmarks. Pick stages with
 #   STAGES="build test demo converge kernels e2e" bash scripts/device_all.sh
-# (a warm machine keeps the build). Logs and CSV/PNG go to $OUT (or out/).
+# (a warm machine keeps the build); STAGES="build multigpu" on a machine with
+# 2+ GPUs. Logs and CSV/PNG go to $OUT (or out/).
 # Needs .data/tinyshakespeare.txt and the .whl wheels (datasets) carried along.
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=${HF_FLASH_CUDA_ARCHS:-90a}  # sm_80 is compile-checked off-device
@@ -41,4 +42,22 @@ fi
 if has e2e; then
   timeout 500 python3 -m hf_flash.bench e2e --out "$OUT/bench" 2>&1 | tr '\r' '\n' | grep -v "e2e:" \
     | tee "$OUT/e2e.log" | tail -20
+fi
+if has multigpu; then  # one GPU vs data parallel on two at the same global batch (NCCL NVLink multicast stays off)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  mg="$OUT/multigpu"; mkdir -p "$mg"
+  ft=(examples/finetune_trainer.py --text-file .data/tinyshakespeare.txt --max-steps ${MG_STEPS:-200}
+      --max-length 512 --logging-steps 1)
+  launch=(python3 -m accelerate.commands.launch --num_machines 1 --num_processes 2 --mixed_precision bf16 --dynamo_backend no)
+  fsdp=(--use_fsdp --fsdp_version 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP
+        --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer)
+  quiet() { tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tee "$1" | grep "attn=\|Error" | tail -3; }
+  timeout 200 python3 "${ft[@]}" --batch-size 16 --loss-log "$mg/1gpu.json" --output-dir /tmp/ft1 2>&1 | quiet "$mg/1gpu.log"
+  timeout 200 "${launch[@]}" --multi_gpu "${ft[@]}" --batch-size 8 --loss-log "$mg/ddp.json" --output-dir /tmp/ft2 2>&1 \
+    | quiet "$mg/ddp.log"
+  timeout 200 "${launch[@]}" "${fsdp[@]}" "${ft[@]}" --batch-size 8 --loss-log "$mg/fsdp.json" --output-dir /tmp/ft3 \
+    2>&1 | quiet "$mg/fsdp.log"
+  curves=("1-gpu=$mg/1gpu.json" "2-gpu-ddp=$mg/ddp.json")
+  [ -s "$mg/fsdp.json" ] && curves+=("2-gpu-fsdp=$mg/fsdp.json")
+  python3 examples/convergence.py --compare "${curves[@]}" --out "$mg" 2>&1 | tee "$mg/compare.log"
 fi

@@ -35,7 +35,24 @@ def test_finetune_trainer(small_text, tmp_path, packing):
     out = run_example("finetune_trainer.py", "--text-file", small_text, "--max-steps", 3, "--max-length", 96,
                       "--batch-size", 4, "--output-dir", tmp_path / "ft", *(["--packing"] if packing else []),
                       tmp_path=tmp_path)
-    assert f"attn=hf_flash packing={packing} final loss" in out
+    assert f"attn=hf_flash packing={packing} processes=1 parallel=NO final loss" in out
+
+
+def test_two_processes_match_one(small_text, tmp_path):
+    """Data-parallel fine-tune (torchrun, gloo on CPU) follows the one-process curve at the same global batch."""
+    common = ["--text-file", small_text, "--max-steps", 4, "--max-length", 96, "--logging-steps", 1]
+    run_example("finetune_trainer.py", *common, "--batch-size", 8, "--loss-log", tmp_path / "one.json",
+                "--output-dir", tmp_path / "one", tmp_path=tmp_path)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           str(ROOT / "examples" / "finetune_trainer.py"), *map(str, common), "--batch-size", "4",
+                           "--loss-log", str(tmp_path / "two.json"), "--output-dir", str(tmp_path / "two")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "processes=2 parallel=MULTI_CPU" in proc.stdout
+    out = run_example("convergence.py", "--compare", f"one={tmp_path / 'one.json'}", f"two={tmp_path / 'two.json'}",
+                      "--tolerance", 1e-4, "--out", tmp_path / "cmp", tmp_path=tmp_path)
+    assert "PASS" in out
 
 
 def test_convergence_example(small_text, tmp_path):
