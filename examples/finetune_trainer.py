@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-steps", type=int, default=100)
     p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--weights", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="weight dtype on GPU; float32 keeps fp32 master weights under bf16 autocast (CPU: float32)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (needs peft)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logging-steps", type=int, default=None, help="default: max_steps / 20")
@@ -128,8 +130,8 @@ def per_step_losses(trainer) -> list[float]:
 
 def main(argv=None):
     args = parse_args(argv)
-    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    model, tokenizer = load_model_and_tokenizer(args, dtype)
+    on_gpu = torch.cuda.is_available()
+    model, tokenizer = load_model_and_tokenizer(args, getattr(torch, args.weights) if on_gpu else torch.float32)
     if args.lora:
         from peft import LoraConfig, get_peft_model
 
@@ -148,8 +150,8 @@ def main(argv=None):
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=args.lr, warmup_steps=args.max_steps // 10, logging_steps=args.logging_steps or max(1, args.max_steps // 20),
-        save_strategy="no", report_to=[], seed=args.seed, bf16=dtype == torch.bfloat16,
-        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, remove_unused_columns=False,
+        save_strategy="no", report_to=[], seed=args.seed, bf16=on_gpu,
+        use_cpu=not on_gpu, dataloader_num_workers=0, remove_unused_columns=False,
         ddp_find_unused_parameters=False)
     trainer = Trainer(model=model, args=training_args, train_dataset=examples, data_collator=collate,
                       callbacks=[throughput])

@@ -47,17 +47,20 @@ if has multigpu; then  # one GPU vs data parallel on two at the same global batc
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   mg="$OUT/multigpu"; mkdir -p "$mg"
   ft=(examples/finetune_trainer.py --text-file .data/tinyshakespeare.txt --max-steps ${MG_STEPS:-200}
-      --max-length 512 --logging-steps 1)
-  launch=(python3 -m accelerate.commands.launch --num_machines 1 --num_processes 2 --mixed_precision bf16 --dynamo_backend no)
+      --max-length 512 --logging-steps 1 --weights float32)  # fp32 master weights under bf16 autocast
+  launch=(python3 -m accelerate.commands.launch --num_machines 1 --mixed_precision bf16 --dynamo_backend no)
   fsdp=(--use_fsdp --fsdp_version 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP
         --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer)
   quiet() { tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tee "$1" | grep "attn=\|Error" | tail -3; }
-  timeout 200 python3 "${ft[@]}" --batch-size 16 --loss-log "$mg/1gpu.json" --output-dir /tmp/ft1 2>&1 | quiet "$mg/1gpu.log"
-  timeout 200 "${launch[@]}" --multi_gpu "${ft[@]}" --batch-size 8 --loss-log "$mg/ddp.json" --output-dir /tmp/ft2 2>&1 \
+  timeout 200 "${launch[@]}" --num_processes 1 "${ft[@]}" --batch-size 16 --loss-log "$mg/1gpu.json" --output-dir /tmp/ft1 2>&1 | quiet "$mg/1gpu.log"
+  timeout 200 "${launch[@]}" --num_processes 2 --multi_gpu "${ft[@]}" --batch-size 8 --loss-log "$mg/ddp.json" --output-dir /tmp/ft2 2>&1 \
     | quiet "$mg/ddp.log"
-  timeout 200 "${launch[@]}" "${fsdp[@]}" "${ft[@]}" --batch-size 8 --loss-log "$mg/fsdp.json" --output-dir /tmp/ft3 \
+  timeout 200 "${launch[@]}" --num_processes 2 "${fsdp[@]}" "${ft[@]}" --batch-size 8 --loss-log "$mg/fsdp.json" --output-dir /tmp/ft3 \
     2>&1 | quiet "$mg/fsdp.log"
-  curves=("1-gpu=$mg/1gpu.json" "2-gpu-ddp=$mg/ddp.json")
+  # sdpa on one GPU shows how far rounding alone moves a curve
+  timeout 200 "${launch[@]}" --num_processes 1 "${ft[@]}" --attn sdpa --batch-size 16 --loss-log "$mg/1gpu_sdpa.json" \
+    --output-dir /tmp/ft4 2>&1 | quiet "$mg/1gpu_sdpa.log"
+  curves=("1-gpu=$mg/1gpu.json" "1-gpu-sdpa=$mg/1gpu_sdpa.json" "2-gpu-ddp=$mg/ddp.json")
   [ -s "$mg/fsdp.json" ] && curves+=("2-gpu-fsdp=$mg/fsdp.json")
   python3 examples/convergence.py --compare "${curves[@]}" --out "$mg" 2>&1 | tee "$mg/compare.log"
 fi
