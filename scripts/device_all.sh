@@ -52,13 +52,14 @@ if has multigpu; then  # one GPU vs data parallel on two at the same global batc
   fsdp=(--use_fsdp --fsdp_version 2 --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP
         --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer)
   quiet() { tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tee "$1" | grep "attn=\|Error" | tail -3; }
-  timeout 200 "${launch[@]}" --num_processes 1 "${ft[@]}" --batch-size 16 --loss-log "$mg/1gpu.json" --output-dir /tmp/ft1 2>&1 | quiet "$mg/1gpu.log"
+  # one GPU visible: with several, a plain Trainer process would use DataParallel over all of them
+  CUDA_VISIBLE_DEVICES=0 timeout 200 "${launch[@]}" --num_processes 1 "${ft[@]}" --batch-size 16 --loss-log "$mg/1gpu.json" --output-dir /tmp/ft1 2>&1 | quiet "$mg/1gpu.log"
   timeout 200 "${launch[@]}" --num_processes 2 --multi_gpu "${ft[@]}" --batch-size 8 --loss-log "$mg/ddp.json" --output-dir /tmp/ft2 2>&1 \
     | quiet "$mg/ddp.log"
   timeout 200 "${launch[@]}" --num_processes 2 "${fsdp[@]}" "${ft[@]}" --batch-size 8 --loss-log "$mg/fsdp.json" --output-dir /tmp/ft3 \
     2>&1 | quiet "$mg/fsdp.log"
   # sdpa on one GPU shows how far rounding alone moves a curve
-  timeout 200 "${launch[@]}" --num_processes 1 "${ft[@]}" --attn sdpa --batch-size 16 --loss-log "$mg/1gpu_sdpa.json" \
+  CUDA_VISIBLE_DEVICES=0 timeout 200 "${launch[@]}" --num_processes 1 "${ft[@]}" --attn sdpa --batch-size 16 --loss-log "$mg/1gpu_sdpa.json" \
     --output-dir /tmp/ft4 2>&1 | quiet "$mg/1gpu_sdpa.log"
   curves=("1-gpu=$mg/1gpu.json" "1-gpu-sdpa=$mg/1gpu_sdpa.json" "2-gpu-ddp=$mg/ddp.json")
   [ -s "$mg/fsdp.json" ] && curves+=("2-gpu-fsdp=$mg/fsdp.json")
