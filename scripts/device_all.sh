@@ -45,7 +45,7 @@ if has e2e; then
 fi
 if has multigpu; then  # one GPU vs data parallel on two at the same global batch (NCCL NVLink multicast stays off)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-  mg="$OUT/multigpu"; mkdir -p "$mg"
+  mg="$OUT/multigpu" logs=/tmp/multigpu; mkdir -p "$mg" $logs  # $OUT keeps the comparison (CSV, PNG, verdict)
   ft=(examples/finetune_trainer.py --text-file .data/tinyshakespeare.txt --max-steps ${MG_STEPS:-200}
       --max-length 512 --logging-steps 1 --weights float32)  # fp32 master weights under bf16 autocast
   launch=(python3 -m accelerate.commands.launch --num_machines 1 --mixed_precision bf16 --dynamo_backend no)
@@ -53,15 +53,15 @@ if has multigpu; then  # one GPU vs data parallel on two at the same global batc
         --fsdp_transformer_layer_cls_to_wrap LlamaDecoderLayer)
   quiet() { tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tee "$1" | grep "attn=\|Error" | tail -3; }
   # one GPU visible: with several, a plain Trainer process would use DataParallel over all of them
-  CUDA_VISIBLE_DEVICES=0 timeout 200 "${launch[@]}" --num_processes 1 "${ft[@]}" --batch-size 16 --loss-log "$mg/1gpu.json" --output-dir /tmp/ft1 2>&1 | quiet "$mg/1gpu.log"
-  timeout 200 "${launch[@]}" --num_processes 2 --multi_gpu "${ft[@]}" --batch-size 8 --loss-log "$mg/ddp.json" --output-dir /tmp/ft2 2>&1 \
-    | quiet "$mg/ddp.log"
-  timeout 200 "${launch[@]}" --num_processes 2 "${fsdp[@]}" "${ft[@]}" --batch-size 8 --loss-log "$mg/fsdp.json" --output-dir /tmp/ft3 \
-    2>&1 | quiet "$mg/fsdp.log"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 "${launch[@]}" --num_processes 1 "${ft[@]}" --batch-size 16 --loss-log "$logs/1gpu.json" --output-dir /tmp/ft1 2>&1 | quiet "$logs/1gpu.log"
+  timeout 200 "${launch[@]}" --num_processes 2 --multi_gpu "${ft[@]}" --batch-size 8 --loss-log "$logs/ddp.json" --output-dir /tmp/ft2 2>&1 \
+    | quiet "$logs/ddp.log"
+  timeout 200 "${launch[@]}" --num_processes 2 "${fsdp[@]}" "${ft[@]}" --batch-size 8 --loss-log "$logs/fsdp.json" --output-dir /tmp/ft3 \
+    2>&1 | quiet "$logs/fsdp.log"
   # sdpa on one GPU shows how far rounding alone moves a curve
-  CUDA_VISIBLE_DEVICES=0 timeout 200 "${launch[@]}" --num_processes 1 "${ft[@]}" --attn sdpa --batch-size 16 --loss-log "$mg/1gpu_sdpa.json" \
-    --output-dir /tmp/ft4 2>&1 | quiet "$mg/1gpu_sdpa.log"
-  curves=("1-gpu=$mg/1gpu.json" "1-gpu-sdpa=$mg/1gpu_sdpa.json" "2-gpu-ddp=$mg/ddp.json")
-  [ -s "$mg/fsdp.json" ] && curves+=("2-gpu-fsdp=$mg/fsdp.json")
+  CUDA_VISIBLE_DEVICES=0 timeout 200 "${launch[@]}" --num_processes 1 "${ft[@]}" --attn sdpa --batch-size 16 --loss-log "$logs/1gpu_sdpa.json" \
+    --output-dir /tmp/ft4 2>&1 | quiet "$logs/1gpu_sdpa.log"
+  curves=("1-gpu=$logs/1gpu.json" "1-gpu-sdpa=$logs/1gpu_sdpa.json" "2-gpu-ddp=$logs/ddp.json")
+  [ -s "$logs/fsdp.json" ] && curves+=("2-gpu-fsdp=$mg/fsdp.json")
   python3 examples/convergence.py --compare "${curves[@]}" --out "$mg" 2>&1 | tee "$mg/compare.log"
 fi
