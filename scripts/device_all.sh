@@ -62,6 +62,6 @@ if has multigpu; then  # one GPU vs data parallel on two at the same global batc
   CUDA_VISIBLE_DEVICES=0 timeout 200 "${launch[@]}" --num_processes 1 "${ft[@]}" --attn sdpa --batch-size 16 --loss-log "$logs/1gpu_sdpa.json" \
     --output-dir /tmp/ft4 2>&1 | quiet "$logs/1gpu_sdpa.log"
   curves=("1-gpu=$logs/1gpu.json" "1-gpu-sdpa=$logs/1gpu_sdpa.json" "2-gpu-ddp=$logs/ddp.json")
-  [ -s "$logs/fsdp.json" ] && curves+=("2-gpu-fsdp=$mg/fsdp.json")
+  [ -s "$logs/fsdp.json" ] && curves+=("2-gpu-fsdp=$logs/fsdp.json")
   python3 examples/convergence.py --compare "${curves[@]}" --out "$mg" 2>&1 | tee "$mg/compare.log"
 fi
