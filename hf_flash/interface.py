@@ -146,6 +146,17 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                 softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
+def _check_cache_index(name: str, t, b: int, device) -> Tensor:
+    if not isinstance(t, Tensor) or t.dtype != torch.int32:
+        got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+        raise TypeError(f"{name} must be an int32 tensor of shape ({b},), got {got}")
+    if tuple(t.shape) != (b,):
+        raise ValueError(f"{name} must have shape ({b},) (one entry per batch row), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} like q, got {t.device}")
+    return t
+
+
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
                             v: Optional[Tensor] = None, rotary_cos: Optional[Tensor] = None,
                             rotary_sin: Optional[Tensor] = None, cache_seqlens=None,
@@ -156,42 +167,59 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             num_splits: int = 0, return_softmax_lse: bool = False):
     """Decode/prefill against a KV cache ``(B, S_cache, H_k, D)`` (inference only).
 
-    ``cache_seqlens`` (int or int32 ``(B,)``) gives the valid length of each
-    cache row; new ``k``/``v`` ``(B, S_new, H_k, D)`` are written in place at
-    those positions first, then attention runs over ``cache_seqlens + S_new``
-    keys with bottom-right causal alignment.
+    The cache may be a strided view (e.g. a ``(B, H_k, S_cache, D)`` cache transposed) and longer than
+    its valid rows (static cache); it is never copied. ``cache_seqlens`` (int or int32 ``(B,)``) is the
+    end of each row's valid keys; new ``k``/``v`` ``(B, S_new, H_k, D)`` are written in place at those
+    positions first, moving the end to ``cache_seqlens + S_new``. ``cache_leftpad`` (int32 ``(B,)``)
+    is where each row's keys start (left padding), so row ``b`` attends to cache rows
+    ``[cache_leftpad[b], end[b])``; causal masks and windows align bottom-right to that range.
+    ``num_splits`` splits the keys of short queries across thread blocks on the GPU: 0 = automatic,
+    1 = no split.
     """
     _check_qkv(q, k_cache, v_cache, 4)
     unsupported = {"rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx,
-                   "cache_leftpad": cache_leftpad, "block_table": block_table}
+                   "block_table": block_table}
     for name, value in unsupported.items():
         if value is not None:
             raise ValueError(f"flash_attn_with_kvcache: {name} is not supported by hf_flash yet")
     b, s_cache = k_cache.shape[0], k_cache.shape[1]
     if k_cache.shape[0] != q.shape[0]:
         raise ValueError(f"k_cache batch ({k_cache.shape[0]}) must equal q batch ({q.shape[0]})")
-    if cache_seqlens is None:
-        seqlens = torch.full((b,), s_cache if k is None else s_cache - k.shape[1], dtype=torch.int32,
-                             device=q.device)
-    elif isinstance(cache_seqlens, int):
-        seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
-    elif isinstance(cache_seqlens, Tensor) and cache_seqlens.dim() == 1 and cache_seqlens.numel() == b:
-        seqlens = cache_seqlens.to(device=q.device, dtype=torch.int32)
-    else:
-        raise TypeError(f"cache_seqlens must be an int or an int tensor of shape ({b},)")
     if (k is None) != (v is None):
         raise ValueError("pass both k and v to append to the cache, or neither")
     if k is not None:
         _check_qkv(q, k, v, 4)
         if k.shape[0] != b or k.shape[2:] != k_cache.shape[2:]:
             raise ValueError(f"new k/v {tuple(k.shape)} do not match the cache {tuple(k_cache.shape)}")
-        pos = seqlens[:, None].long() + torch.arange(k.shape[1], device=q.device)  # (B, S_new)
+    s_new = 0 if k is None else k.shape[1]
+    if cache_seqlens is None:
+        seqlens = torch.full((b,), s_cache - s_new, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, int):
+        seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        seqlens = _check_cache_index("cache_seqlens", cache_seqlens, b, q.device)
+    if cache_leftpad is not None:
+        _check_cache_index("cache_leftpad", cache_leftpad, b, q.device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = automatic, 1 = no split), got {num_splits!r}")
+    if not torch.compiler.is_compiling() and q.device.type == "cpu":
+        # Cheap on CPU; on GPU this check would sync, so the kernels clamp to the cache instead.
+        end = seqlens + s_new
+        bad = (seqlens < 0) | (end > s_cache)
+        if cache_leftpad is not None:
+            bad |= (cache_leftpad < 0) | (cache_leftpad > end)
+        if bool(bad.any()):
+            leftpad = None if cache_leftpad is None else cache_leftpad.tolist()
+            raise ValueError(f"need 0 <= cache_leftpad <= cache_seqlens + new keys <= cache length {s_cache}, got "
+                             f"cache_seqlens={seqlens.tolist()}, new keys={s_new}, cache_leftpad={leftpad}")
+    window = _check_options(q, 0.0, window_size, softcap, alibi_slopes, b)
+    if k is not None:
+        pos = seqlens[:, None].long() + torch.arange(s_new, device=q.device)  # (B, S_new)
         rows = torch.arange(b, device=q.device)[:, None].expand_as(pos)
         k_cache.index_put_((rows, pos), k)  # out-of-range positions raise inside torch
         v_cache.index_put_((rows, pos), v)
-        seqlens = seqlens + k.shape[1]
-    window = _check_options(q, 0.0, window_size, softcap, alibi_slopes, b)
+        seqlens = seqlens + s_new
     with torch.no_grad():
-        out, lse = ops.fwd(q, k_cache, v_cache, None, None, seqlens, q.shape[1], s_cache, _scale(q, softmax_scale),
-                           bool(causal), window[0], window[1], float(softcap), alibi_slopes, 0.0, None, False)
+        out, lse = ops.fwd_kvcache(q, k_cache, v_cache, seqlens, cache_leftpad, _scale(q, softmax_scale),
+                                   bool(causal), window[0], window[1], float(softcap), alibi_slopes, num_splits)
     return (out, lse) if return_softmax_lse else out

@@ -131,6 +131,28 @@ def _(dout, q, k, v, *rest):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.custom_op("hf_flash::fwd_kvcache", mutates_args=())
+def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, cache_leftpad: Optional[Tensor],
+                softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+                alibi_slopes: Optional[Tensor], num_splits: int) -> tuple[Tensor, Tensor]:
+    """Inference forward against a KV cache (B, S_cache, H_k, D), strided views welcome: row b attends to
+    cache rows [cache_leftpad[b], cache_seqlens[b]). Returns (out like q, lse float32 (B, H, Sq))."""
+    args = (q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_left, window_right,
+            softcap, alibi_slopes, num_splits)
+    if not uses_kernels(q) or cache_leftpad is not None:
+        return reference.fwd_kvcache(*args)
+    d = q.shape[-1]
+    out, lse = torch.ops.hf_flash._cuda_fwd(*map(_for_kernel, (q, k_cache, v_cache)), None, None, cache_seqlens,
+                                            q.shape[1], k_cache.shape[1], softmax_scale, causal, window_left,
+                                            window_right, softcap, alibi_slopes, 0.0, None)
+    return out[..., :d], lse
+
+
+@fwd_kvcache.register_fake
+def _(q, *rest):
+    return torch.empty_like(q), q.new_empty(_lse_shape(q, False), dtype=torch.float32)
+
+
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, scale, causal, wl, wr, softcap, alibi, p, rng, det) = inputs
     if seqused_k is not None:

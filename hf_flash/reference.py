@@ -226,6 +226,22 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen
     return lq.unpad(out, q), lse.float().contiguous()
 
 
+def fwd_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_left, window_right,
+                softcap, alibi_slopes, num_splits):
+    """Forward against a KV cache: row b's keys are cache rows [cache_leftpad[b], cache_seqlens[b]), masks
+    aligned to that row's key count. ``num_splits`` only steers the CUDA kernel."""
+    end = cache_seqlens.long()
+    start = torch.zeros_like(end) if cache_leftpad is None else cache_leftpad.long()
+    if not q.is_cuda:  # a static cache may be far longer than its valid rows; reading the end is cheap on CPU
+        k_cache, v_cache = k_cache[:, :int(end.max())], v_cache[:, :int(end.max())]
+    if cache_leftpad is not None:  # shift row b left by its leftpad, so its keys start at 0
+        pos = (start[:, None] + torch.arange(k_cache.shape[1], device=q.device)).clamp(max=k_cache.shape[1] - 1)
+        index = pos[:, :, None, None].expand(-1, -1, *k_cache.shape[2:])
+        k_cache, v_cache = k_cache.gather(1, index), v_cache.gather(1, index)
+    return fwd(q, k_cache, v_cache, None, None, (end - start).clamp(min=0), q.shape[1], k_cache.shape[1],
+               softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, 0.0, None)
+
+
 def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
         window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state):
     """Backward by recomputation from the saved LSE: returns dq, dk, dv."""

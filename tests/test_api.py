@@ -93,6 +93,88 @@ def test_kvcache_rejects_unsupported_options():
         flash_attn_with_kvcache(q, k, v, k=k[:, :1])
 
 
+def _naive_kvcache(q, k_cache, v_cache, ends, starts, **kw):
+    """Row by row: naive attention over cache rows [start, end)."""
+    return torch.cat([naive_attention(q[i:i + 1], k_cache[i:i + 1, s:e], v_cache[i:i + 1, s:e], **kw)
+                      for i, (s, e) in enumerate(zip(starts, ends))])
+
+
+@pytest.mark.parametrize("sq", [1, 3, 16])
+@pytest.mark.parametrize("hk,h", [(2, 2), (2, 8)])
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 0.0),
+                                                   (True, (5, 0), 0.0), (False, (7, 2), 30.0)])
+@pytest.mark.parametrize("append", [False, True])
+def test_kvcache_leftpad_matches_naive(sq, hk, h, causal, window, softcap, append):
+    """Ragged left padding and lengths on a static cache stored (B, Hk, S, D) and viewed as (B, S, Hk, D)."""
+    b, s_cache, d = 5, 48, 24
+    storage = torch.randn(2, b, hk, s_cache, d, dtype=torch.float64)
+    k_cache, v_cache = storage[0].transpose(1, 2), storage[1].transpose(1, 2)
+    ends = [1, 30, 47, 9, 12]  # after appending
+    starts = [0, 3, 40, 9, 0]  # row 3 is all padding: zero output, LSE +inf
+    q = torch.randn(b, sq, h, d, dtype=torch.float64)
+    s_new = 1 if append else 0
+    new = (torch.randn(b, s_new, hk, d, dtype=torch.float64) for _ in range(2)) if append else (None, None)
+    seqlens = torch.tensor(ends, dtype=torch.int32) - s_new
+    leftpad = torch.tensor(starts, dtype=torch.int32)
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=seqlens, cache_leftpad=leftpad,
+                                       return_softmax_lse=True, **kw)
+    assert k_cache.data_ptr() == storage[0].data_ptr()  # written in place, never copied
+    ref = _naive_kvcache(q, k_cache, v_cache, ends, starts, **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    assert lse.shape == (b, h, sq) and lse[3].isposinf().all() and out[3].eq(0).all()
+    if not causal and window == (-1, -1):
+        assert torch.isfinite(lse[[0, 1, 2, 4]]).all()
+
+
+def test_kvcache_without_leftpad_equals_zero_leftpad():
+    q, k, v = qkv(b=3, sq=2, sk=20, h=4, hk=2, d=16)
+    seqlens = torch.tensor([20, 7, 0], dtype=torch.int32)
+    a = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True)
+    b = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True, cache_leftpad=torch.zeros(3, dtype=torch.int32))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(cache_seqlens=torch.tensor([4, 4])), TypeError, "cache_seqlens must be an int32"),
+    (dict(cache_seqlens=torch.tensor([4.0, 4.0])), TypeError, "cache_seqlens must be an int32"),
+    (dict(cache_seqlens=torch.tensor([4, 4, 4], dtype=torch.int32)), ValueError, r"cache_seqlens must have shape \(2,\)"),
+    (dict(cache_seqlens=torch.tensor([4, 4], dtype=torch.int32, device="meta")), ValueError, "cache_seqlens must be on cpu"),
+    (dict(cache_seqlens=torch.tensor([4, 17], dtype=torch.int32)), ValueError, "cache length 16"),
+    (dict(cache_seqlens=torch.tensor([4, -1], dtype=torch.int32)), ValueError, "cache length 16"),
+    (dict(cache_leftpad=[0, 0]), TypeError, "cache_leftpad must be an int32"),
+    (dict(cache_leftpad=torch.tensor([0, 0])), TypeError, "cache_leftpad must be an int32"),
+    (dict(cache_leftpad=torch.zeros(2, 1, dtype=torch.int32)), ValueError, r"cache_leftpad must have shape \(2,\)"),
+    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32, device="meta")), ValueError, "cache_leftpad must be on cpu"),
+    (dict(cache_seqlens=torch.tensor([4, 4], dtype=torch.int32), cache_leftpad=torch.tensor([0, 5], dtype=torch.int32)),
+     ValueError, "cache_leftpad <= cache_seqlens"),
+    (dict(cache_leftpad=torch.tensor([0, -2], dtype=torch.int32)), ValueError, "0 <= cache_leftpad"),
+    (dict(num_splits=-1), ValueError, "num_splits"),
+])
+def test_kvcache_bad_lengths_raise_clear_errors(kwargs, error, message):
+    q, k, v = qkv(sq=1, sk=16)
+    with pytest.raises(error, match=message):
+        flash_attn_with_kvcache(q, k, v, **kwargs)
+
+
+def test_kvcache_fwd_op_opcheck():
+    q, k, v = qkv(b=2, sq=3, sk=11, h=4, hk=2, d=16)
+    args = (q, k, v, torch.tensor([11, 6], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32), 0.25, True,
+            -1, -1, 0.0, None, 0)
+    torch.library.opcheck(torch.ops.hf_flash.fwd_kvcache.default, args)
+
+
+def test_kvcache_compile_fullgraph():
+    q, k, v = qkv(b=2, sq=1, sk=16, h=4, hk=2, d=16)
+    seqlens, leftpad = torch.tensor([16, 9], dtype=torch.int32), torch.tensor([3, 0], dtype=torch.int32)
+
+    def step(q, k, v, seqlens, leftpad):
+        return flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_leftpad=leftpad, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, seqlens, leftpad), step(q, k, v, seqlens, leftpad))
+
+
 def _op_args(q, k, v, dropout_p=0.0):
     rng = torch.randint(0, 2**62, (2,)) if dropout_p else None
     return (q, k, v, None, None, None, q.shape[1], k.shape[1], q.shape[-1] ** -0.5, True, -1, -1, 0.0, None,
