@@ -43,6 +43,9 @@ if has e2e; then
   timeout 500 python3 -m hf_flash.bench e2e --out "$OUT/bench" 2>&1 | tr '\r' '\n' | grep -v "e2e:" \
     | tee "$OUT/e2e.log" | tail -20
 fi
+if has profile; then  # top CUDA kernels of a training step, hf_flash next to sdpa
+  timeout 300 python3 scripts/e2e_profile.py > "$OUT/e2e_profile.txt" 2>&1; grep "^== " "$OUT/e2e_profile.txt"
+fi
 if has multigpu; then  # one GPU vs data parallel on two at the same global batch (NCCL NVLink multicast stays off)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   mg="$OUT/multigpu" logs=/tmp/multigpu; mkdir -p "$mg" $logs  # $OUT keeps the comparison (CSV, PNG, verdict)
