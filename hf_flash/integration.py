@@ -58,7 +58,8 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if attention_mask is not None and _is_cross_attention(module, is_causal):
-        return _cross_attention(query, key, value, attention_mask, kwargs.get("dropout", 0.0), kwargs.get("scaling"))
+        return _cross_attention(query, key, value, attention_mask, kwargs.get("dropout", 0.0), kwargs.get("scaling"),
+                                kwargs.get("softcap"))
     return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -67,7 +68,7 @@ def _is_cross_attention(module, is_causal: bool) -> bool:
     return "CrossAttention" in type(module).__name__ or (getattr(module, "is_decoder", False) and not is_causal)
 
 
-def _cross_attention(query, key, value, key_mask, dropout: float, scaling):
+def _cross_attention(query, key, value, key_mask, dropout: float, scaling, softcap):
     """Every query row attends to the unpadded keys of its batch row, as eager does.
 
     transformers' flash wrapper would unpad the queries with the encoder's key mask (sliced to the query
@@ -79,7 +80,8 @@ def _cross_attention(query, key, value, key_mask, dropout: float, scaling):
     cu_seqlens_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=query.device)
     out = interface.flash_attn_varlen_func(
         query.transpose(1, 2).reshape(b * sq, h, d), key.transpose(1, 2)[valid], value.transpose(1, 2)[valid],
-        cu_seqlens_q, cu_seqlens_k, sq, int(lengths.max()), dropout_p=dropout, softmax_scale=scaling, causal=False)
+        cu_seqlens_q, cu_seqlens_k, sq, int(lengths.max()), dropout_p=dropout, softmax_scale=scaling, causal=False,
+        softcap=softcap or 0.0)
     return out.view(b, sq, h, -1), None
 
 
