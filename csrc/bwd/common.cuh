@@ -101,16 +101,74 @@ __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p,
   *reinterpret_cast<uint4*>(dq) = out;
 }
 
-// Copy `rows` x kD elements (rows >= limit zero-filled) into padded smem rows.
-template <class Tr>
-__device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::T* gmem, int64_t row_stride, int rows,
-                                          int limit) {
+// Copy kRows x kD elements (rows >= limit zero-filled) into padded smem rows. Compile-time trip count,
+// and each thread's rows are r0, r0 + kRowStep, ... so the source advances by one 64-bit add per copy
+// (a runtime-bound loop with per-chunk index math cost ~100 instructions per tile per step).
+template <class Tr, int kRows>
+__device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::T* gmem, int64_t row_stride, int limit) {
   constexpr int kChunks = Tr::kD / 8;  // 16-byte chunks per row
-  for (int c = threadIdx.x; c < rows * kChunks; c += kThreads) {
-    const int r = c / kChunks, col = (c % kChunks) * 8;
-    const bool ok = r < limit;
-    tile::cp_async16(smem + (r * Tr::kStrideD + col) * 2, ok ? gmem + r * row_stride + col : gmem, ok);
+  if constexpr (kThreads % kChunks == 0) {
+    constexpr int kRowStep = kThreads / kChunks;
+    static_assert(kRows % kRowStep == 0, "whole passes");
+    const int r0 = threadIdx.x / kChunks, col = threadIdx.x % kChunks * 8;
+    const typename Tr::T* src = gmem + r0 * row_stride + col;
+    smem += (r0 * Tr::kStrideD + col) * 2;
+#pragma unroll
+    for (int i = 0; i < kRows / kRowStep; ++i) {
+      const bool ok = r0 + i * kRowStep < limit;
+      tile::cp_async16(smem + i * kRowStep * Tr::kStrideD * 2, ok ? src : gmem, ok);
+      src += kRowStep * row_stride;
+    }
+  } else {  // d96, d192: rows of 12 / 24 chunks
+    constexpr int kTotal = kRows * kChunks;
+#pragma unroll
+    for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
+      const int c = threadIdx.x + i * kThreads, r = c / kChunks, col = c % kChunks * 8;
+      if (kTotal % kThreads == 0 || c < kTotal) {
+        const bool ok = r < limit;
+        tile::cp_async16(smem + (r * Tr::kStrideD + col) * 2, ok ? gmem + r * row_stride + col : gmem, ok);
+      }
+    }
   }
+}
+
+// The start of a key block, shared by both main kernels: K and V into smem (one cp.async group) and the
+// query blocks [m_begin, m_begin + m_count) whose rows see at least one of its keys.
+struct KeyBlock {
+  int n0, m_begin, m_count;
+};
+template <class Tr>
+__device__ __forceinline__ KeyBlock begin_key_block(const BwdParams& p, const Seq& seq, int b, int hk, int n_block,
+                                                    uint32_t sK, uint32_t sV) {
+  using T = typename Tr::T;
+  const int n0 = n_block * Tr::kBlockN, off = seq.sk - seq.sq;  // off: diagonal (bottom-right alignment)
+  const T* k = static_cast<const T*>(p.k) + p.k_batch_stride * b + int64_t(seq.k0 + n0) * p.k_row_stride +
+               hk * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + p.v_batch_stride * b + int64_t(seq.k0 + n0) * p.v_row_stride +
+               hk * p.v_head_stride;
+  load_tile<Tr, Tr::kBlockN>(sK, k, p.k_row_stride, seq.sk - n0);
+  load_tile<Tr, Tr::kBlockN>(sV, v, p.v_row_stride, seq.sk - n0);
+  tile::cp_async_commit();
+  int m_lo = 0, m_hi = seq.sq;
+  if (p.window_right >= 0) m_lo = max(0, n0 - off - p.window_right);
+  if (p.window_left >= 0) m_hi = min(seq.sq, n0 + Tr::kBlockN - off + p.window_left);
+  const int m_begin = m_lo / Tr::kBlockM;
+  return {n0, m_begin, m_hi > m_lo ? (m_hi + Tr::kBlockM - 1) / Tr::kBlockM - m_begin : 0};
+}
+
+// Row `key` of dK (is_dv false) or dV from this thread's accumulator rows (g or g + 8 by h2), columns
+// col0 + 8j + 2t, as 16-bit pairs; GQA: the group's query heads are already summed in the accumulator.
+template <bool kIsBf16, int kCols>
+__device__ __forceinline__ void store_grad_row(const BwdParams& p, const Seq& seq, int b, int hk, int key, int col0,
+                                               int h2, bool is_dv, const float (&acc)[kCols / 8][4]) {
+  using T = typename tile::Elem<kIsBf16>::T;
+  if (key >= seq.sk) return;
+  T* dst = static_cast<T*>(is_dv ? p.dv : p.dk) + (is_dv ? p.dv_batch_stride : p.dk_batch_stride) * b +
+           int64_t(seq.k0 + key) * (is_dv ? p.dv_row_stride : p.dk_row_stride) +
+           hk * (is_dv ? p.dv_head_stride : p.dk_head_stride) + col0;
+#pragma unroll
+  for (int j = 0; j < kCols / 8; ++j)
+    *reinterpret_cast<uint32_t*>(dst + 8 * j) = tile::pack2<kIsBf16>(acc[j][2 * h2], acc[j][2 * h2 + 1]);
 }
 
 // Two n8 tiles sharing one A fragment; b holds both B fragments (ldmatrix_x4).

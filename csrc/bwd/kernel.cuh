@@ -3,10 +3,10 @@
 // smem, dK/dV in registers, loop over the query heads of the GQA group and
 // their query blocks (Q, dO, LSE, D double-buffered by cp.async). Per query
 // block, two phases and two barriers:
-//   AB  warp w owns keys 16w..16w+15: S^T = K Q^T and dP^T = V dO^T, P and dS
-//       recomputed in registers, packed to 16-bit A fragments that feed
-//       dV += P^T dO and dK += dS^T Q directly (no smem round trip); dS^T is
-//       also stored to smem for phase C
+//   AB  warp w owns keys 16w..16w+15: S^T = K Q^T, P, dV += P^T dO, then
+//       dP^T = V dO^T, dS, dK += dS^T Q, with P^T/dS^T packed straight into
+//       the A fragments (no smem round trip; dS^T is also stored for phase C).
+//       This order lets the exp of P overlap the dV MMAs and dS the dK MMAs.
 //   C   dQ = dS K, added into the fp32 accumulator (8-byte vector reductions
 //       on sm90)
 // The v1 kernel (kernel_v1.cuh) stays for d > 128. See benchmarks/NOTES-bwd.md.
@@ -33,21 +33,21 @@ __device__ __forceinline__ void cp_async4(uint32_t smem_addr, const void* gmem, 
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(pred ? 4 : 0));
 }
 
-// Kernel options (bench A/B, HF_FLASH_BWD_VARIANT=5): the pre-v2.1 masked-block path (generic code).
-constexpr int kOptLegacy = 1;
-
-template <bool kIsBf16, int kHeadDim, int kBlockM_, bool kKVRegs_>
+template <bool kIsBf16, int kHeadDim>
 struct Traits {
   using T = typename tile::Elem<kIsBf16>::T;
-  static constexpr int kD = kHeadDim, kBlockN = block_n(kHeadDim), kBlockM = kBlockM_, kWarps = kThreads / 32;
-  static constexpr bool kKVRegs = kKVRegs_;  // K/V A fragments of the warp's 16 keys kept in registers
+  // 128 query rows per step at d64 (measured faster than 64, NOTES-bwd.md v2), 64 otherwise (registers).
+  static constexpr int kD = kHeadDim, kBlockN = block_n(kHeadDim), kBlockM = kHeadDim == 64 ? 128 : 64;
+  static constexpr int kWarps = kThreads / 32;
   static_assert(kBlockN == 16 * kWarps, "warp w owns keys 16w..16w+15 in phase AB");
   static_assert(kBlockM % 16 == 0 && kD % 16 == 0, "tiles");
   static constexpr int kStages = 2;             // Q/dO/LSE/D buffers
   static constexpr int kStrideD = kD + 8;       // K, V, Q, dO rows (elements)
   static constexpr int kStrideM = kBlockM + 8;  // dS^T rows: one key, kBlockM queries
-  // Phase C, dQ = dS K (kBlockM x d): 4 x 2 warps, each kCTiles m16 tiles x kCCols.
-  static constexpr int kCWarpsM = 4, kCTiles = kBlockM / 16 / kCWarpsM, kCCols = kD / (kWarps / kCWarpsM);
+  // Phase C, dQ = dS K (kBlockM x d): kCWarpsM x (8 / kCWarpsM) warps, each kCTiles m16 tiles x kCCols;
+  // 32 x 32 warp tiles where the head dim allows (fewest smem bytes; d128: +2.5% over 16 x 64, NOTES-bwd.md).
+  static constexpr int kCWarpsM = kBlockM == 64 && kD % 64 == 0 ? 2 : 4;
+  static constexpr int kCTiles = kBlockM / 16 / kCWarpsM, kCCols = kD / (kWarps / kCWarpsM);
   static_assert(kCTiles >= 1 && kCCols % 16 == 0, "phase C warp tile");
   // Shared memory, in elements of T, then float LSE and D vectors per stage.
   static constexpr int kK = 0, kV = kK + kBlockN * kStrideD, kQ = kV + kBlockN * kStrideD,
@@ -56,17 +56,16 @@ struct Traits {
   static constexpr int kSmemBytes = kElems * 2 + 2 * kStages * kBlockM * sizeof(float);
 };
 
-template <bool kIsBf16, int kHeadDim, int kBlockM_, bool kKVRegs_>
+template <bool kIsBf16, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, 1)
-    main_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, size_t copy_floats,
-                int opts) {
-  using Tr = Traits<kIsBf16, kHeadDim, kBlockM_, kKVRegs_>;
+    main_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, size_t copy_floats) {
+  using Tr = Traits<kIsBf16, kHeadDim>;
   using T = typename Tr::T;
   constexpr int kD = Tr::kD, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* smem = reinterpret_cast<T*>(smem_raw);
-  float* s_lse = reinterpret_cast<float*>(smem + Tr::kElems);  // [stage][row] natural-log LSE
-  float* s_dsum = s_lse + kStages * kBlockM;                    // [stage][row] D
+  float* s_lse = reinterpret_cast<float*>(smem + Tr::kElems);  // [stage][row] LSE, then LSE * log2(e)
+  float* s_dsum = s_lse + kStages * kBlockM;                    // [stage][row] D, then D * softmax_scale
   const uint32_t sK = tile::smem_u32(smem + Tr::kK), sV = tile::smem_u32(smem + Tr::kV),
                  sQ0 = tile::smem_u32(smem + Tr::kQ), sDO0 = tile::smem_u32(smem + Tr::kDO),
                  sDSt = tile::smem_u32(smem + Tr::kDSt);
@@ -88,32 +87,27 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (p.p_dropout > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
 
   for (int n_block = bx; n_block < n_blocks; n_block += lanes) {
-    const int n0 = n_block * kBlockN;
     __syncthreads();  // the previous key block is done with K/V and every buffer
-    const T* k = static_cast<const T*>(p.k) + p.k_batch_stride * b + int64_t(seq.k0 + n0) * p.k_row_stride +
-                 hk * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + p.v_batch_stride * b + int64_t(seq.k0 + n0) * p.v_row_stride +
-                 hk * p.v_head_stride;
-    load_tile<Tr>(sK, k, p.k_row_stride, kBlockN, seq.sk - n0);
-    load_tile<Tr>(sV, v, p.v_row_stride, kBlockN, seq.sk - n0);
-    tile::cp_async_commit();
+    const KeyBlock kb = begin_key_block<Tr>(p, seq, b, hk, n_block, sK, sV);
+    const int n0 = kb.n0, m_begin = kb.m_begin, m_count = kb.m_count;
+    const int iters = groups * m_count;  // (query head, query block) pairs: heads outer, blocks inner
+    // Key `key` is visible to query `row` (sequence-relative), and block m0 needs no masking at all.
+    auto visible = [&](int row, int key) {
+      return row < seq.sq && key < seq.sk && (wl < 0 || key >= row + off - wl) && (wr < 0 || key <= row + off + wr);
+    };
+    auto full_block = [&](int m0) {
+      return n0 + kBlockN <= seq.sk && m0 + kBlockM <= seq.sq && (wr < 0 || n0 + kBlockN - 1 <= m0 + off + wr) &&
+             (wl < 0 || n0 >= m0 + kBlockM - 1 + off - wl);
+    };
 
-    // Query rows that see at least one key of this block.
-    int m_lo = 0, m_hi = seq.sq;
-    if (wr >= 0) m_lo = max(0, n0 - off - wr);
-    if (wl >= 0) m_hi = min(seq.sq, n0 + kBlockN - off + wl);
-    const int m_begin = m_lo / kBlockM, m_count = m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0;
-    const int iters = groups * m_count;  // (query head, query block) pairs
-
-    // Q, dO, LSE and D of iteration `it` into stage it % kStages, one cp.async group.
-    auto issue_loads = [&](int it) {
-      const int st = it % kStages, head = hk * groups + it / m_count, m0 = (m_begin + it % m_count) * kBlockM;
+    // Q, dO, LSE and D of (head, m0) into stage st, one cp.async group.
+    auto issue_loads = [&](int st, int head, int m0) {
       const T* q = static_cast<const T*>(p.q) + p.q_batch_stride * b + int64_t(seq.q0 + m0) * p.q_row_stride +
                    head * p.q_head_stride;
       const T* dout = static_cast<const T*>(p.dout) + p.do_batch_stride * b +
                       int64_t(seq.q0 + m0) * p.do_row_stride + head * p.do_head_stride;
-      load_tile<Tr>(sQ0 + st * kStageBytes, q, p.q_row_stride, kBlockM, seq.sq - m0);
-      load_tile<Tr>(sDO0 + st * kStageBytes, dout, p.do_row_stride, kBlockM, seq.sq - m0);
+      load_tile<Tr, kBlockM>(sQ0 + st * kStageBytes, q, p.q_row_stride, seq.sq - m0);
+      load_tile<Tr, kBlockM>(sDO0 + st * kStageBytes, dout, p.do_row_stride, seq.sq - m0);
       if (tid < kBlockM) {  // rows past the end read as 0; phase AB masks them
         const int i = m0 + tid;
         const bool ok = i < seq.sq;
@@ -126,153 +120,158 @@ __global__ void __launch_bounds__(kThreads, 1)
       tile::cp_async_commit();
     };
 
-    float dv[kD / 8][4] = {}, dk[kD / 8][4] = {};
-    uint32_t kf[Tr::kKVRegs ? kD / 16 : 1][4], vf[Tr::kKVRegs ? kD / 16 : 1][4];
-    if (iters > 0) issue_loads(0);
+    float acc[2][kD / 8][4] = {};  // dV, dK of keys 16w..16w+15 (GQA: summed over the group's heads)
+    int head = hk * groups, mi = 0;  // of iteration it
+    if (iters > 0) issue_loads(0, head, m_begin * kBlockM);
 
     for (int it = 0; it < iters; ++it) {
-      const int st = it % kStages, head = hk * groups + it / m_count, m0 = (m_begin + it % m_count) * kBlockM;
+      const int st = it % kStages, m0 = (m_begin + mi) * kBlockM;
+      const int next_mi = mi + 1 < m_count ? mi + 1 : 0, next_head = next_mi ? head : head + 1;
       if (it + 1 < iters) {
-        issue_loads(it + 1);  // its stage was last read in phase AB of it - 1 (before that barrier)
-        tile::cp_async_wait<1>();
+        issue_loads((it + 1) % kStages, next_head, (m_begin + next_mi) * kBlockM);  // that stage was last read
+        tile::cp_async_wait<1>();                                                   // before the last barrier
       } else {
         tile::cp_async_wait<0>();
       }
+      if (tid < kBlockM) {  // this thread's LSE/D copies have landed; scale them once for the pointwise code
+        s_lse[st * kBlockM + tid] *= kLog2e;
+        s_dsum[st * kBlockM + tid] *= p.softmax_scale;
+      }
       __syncthreads();  // stage st landed; phase C of it - 1 is done with dS^T
       const uint32_t sQ = sQ0 + st * kStageBytes, sDO = sDO0 + st * kStageBytes;
-      const float* lse = s_lse + st * kBlockM;
-      const float* dsm = s_dsum + st * kBlockM;
-      const int a_row = 16 * warp + lane % 16, a_col = lane / 16 * 8;
-      if constexpr (Tr::kKVRegs) {
-        if (it == 0) {
-#pragma unroll
-          for (int kk = 0; kk < kD / 16; ++kk) {
-            tile::ldmatrix_x4(kf[kk], sK + (a_row * Tr::kStrideD + kk * 16 + a_col) * 2);
-            tile::ldmatrix_x4(vf[kk], sV + (a_row * Tr::kStrideD + kk * 16 + a_col) * 2);
-          }
-        }
-      }
+      const float* lse2 = s_lse + st * kBlockM;
+      const float* dsum_scaled = s_dsum + st * kBlockM;
 
       // ---- Phase AB ------------------------------------------------------------
       {
-        float s[kBlockM / 8][4] = {}, dp[kBlockM / 8][4] = {};
-        {
+        const bool full = full_block(m0);
+        const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
+        // x^T = A B^T over d for this warp's 16 keys (A = K or V rows), all kBlockM queries (B = Q or dO).
+        auto gemm_keys = [&](uint32_t sA, uint32_t sB, auto& x) {  // x: float[kBlockM / 8][4]
+          const int a_row = 16 * warp + lane % 16, a_col = lane / 16 * 8;
           const int b_row = lane % 8 + lane / 16 * 8, b_col = lane / 8 % 2 * 8;
 #pragma unroll
           for (int kk = 0; kk < kD / 16; ++kk) {
-            uint32_t ak[4], av[4];
-            if constexpr (Tr::kKVRegs) {
-#pragma unroll
-              for (int r = 0; r < 4; ++r) { ak[r] = kf[kk][r]; av[r] = vf[kk][r]; }
-            } else {
-              tile::ldmatrix_x4(ak, sK + (a_row * Tr::kStrideD + kk * 16 + a_col) * 2);
-              tile::ldmatrix_x4(av, sV + (a_row * Tr::kStrideD + kk * 16 + a_col) * 2);
-            }
+            uint32_t a[4];
+            tile::ldmatrix_x4(a, sA + (a_row * Tr::kStrideD + kk * 16 + a_col) * 2);
 #pragma unroll
             for (int j = 0; j < kBlockM / 16; ++j) {
-              const int addr = ((b_row + 16 * j) * Tr::kStrideD + kk * 16 + b_col) * 2;
-              uint32_t bq[4], bo[4];
-              tile::ldmatrix_x4(bq, sQ + addr);
-              tile::ldmatrix_x4(bo, sDO + addr);
-              mma_pair<kIsBf16>(s[2 * j], s[2 * j + 1], ak, bq);
-              mma_pair<kIsBf16>(dp[2 * j], dp[2 * j + 1], av, bo);
-            }
-          }
-        }
-        // A block needs masking where a key or query is past the end or a window edge crosses it.
-        const bool full = n0 + kBlockN <= seq.sk && m0 + kBlockM <= seq.sq &&
-                          (wr < 0 || n0 + kBlockN - 1 <= m0 + off + wr) &&
-                          (wl < 0 || n0 >= m0 + kBlockM - 1 + off - wl);
-        const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
-        uint32_t pt[kBlockM / 16][4], dst[kBlockM / 16][4];  // A fragments of P^T and dS^T (k = queries)
-        // P, dS from S, dP. Mode 0 (no softcap, ALiBi or dropout; masked blocks get S = -inf first, below):
-        // 4 instructions per element; mode 2 (softcap, ALiBi or dropout, or opts & kOptLegacy on a masked
-        // block): the generic code.
-        auto pointwise = [&](auto mode_tag) {
-          constexpr int kMode = decltype(mode_tag)::value;
-          constexpr bool kGeneric = kMode == 2;
-#pragma unroll
-          for (int j = 0; j < kBlockM / 8; ++j) {
-            const int qc = 8 * j + 2 * t;
-            const float2 lse_j = *reinterpret_cast<const float2*>(lse + qc);
-            const float2 dsum_j = *reinterpret_cast<const float2*>(dsm + qc);
-            const float lse2[2] = {lse_j.x * kLog2e, lse_j.y * kLog2e};
-            const float dsv_row[2] = {kGeneric ? dsum_j.x : dsum_j.x * p.softmax_scale,
-                                      kGeneric ? dsum_j.y : dsum_j.y * p.softmax_scale};
-#pragma unroll
-            for (int h2 = 0; h2 < 2; ++h2) {  // accumulator rows g and g + 8
-              const int kr = 16 * warp + g + 8 * h2;
-              float pv[2], dsv[2];
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                if constexpr (kMode == 0) {
-                  const float prob = tile::fast_exp2(fmaf(s[j][2 * h2 + e], p.softmax_scale_log2, -lse2[e]));
-                  pv[e] = prob;
-                  dsv[e] = prob * fmaf(dp[j][2 * h2 + e], p.softmax_scale, -dsv_row[e]);
-                } else {
-                  const int key = n0 + kr, row = m0 + qc + e;
-                  float x = s[j][2 * h2 + e], th = 0.f;
-                  if (p.softcap > 0) { th = tile::fast_tanh(x * scale_over_cap); x = p.softcap * th; }
-                  float s2 = x * p.softmax_scale_log2;
-                  if (p.alibi_slopes) s2 -= slope2 * fabsf(float(row + off - key));
-                  const bool visible = full || (row < seq.sq && key < seq.sk && (wl < 0 || key >= row + off - wl) &&
-                                                (wr < 0 || key <= row + off + wr));
-                  const float prob = visible ? tile::fast_exp2(s2 - lse2[e]) : 0.f;
-                  float dpv = dp[j][2 * h2 + e], pdrop = prob;
-                  if (p.p_dropout > 0) {
-                    const tile::Philox4 r = tile::philox(seed, uint32_t(key) >> 2, row, b * p.h + head, rng_offset);
-                    const uint32_t word = (key & 3) == 0 ? r.x : (key & 3) == 1 ? r.y : (key & 3) == 2 ? r.z : r.w;
-                    const float keep = word >= p.dropout_threshold ? p.rp_dropout : 0.f;
-                    pdrop = prob * keep;
-                    dpv *= keep;
-                  }
-                  float ds = prob * (dpv - dsv_row[e]);
-                  if (p.softcap > 0) ds *= 1.f - th * th;
-                  pv[e] = pdrop;
-                  dsv[e] = ds * p.softmax_scale;
-                }
-              }
-              pt[j / 2][(j % 2) * 2 + h2] = tile::pack2<kIsBf16>(pv[0], pv[1]);
-              dst[j / 2][(j % 2) * 2 + h2] = tile::pack2<kIsBf16>(dsv[0], dsv[1]);
-              asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDSt + (kr * Tr::kStrideM + qc) * 2),
-                           "r"(dst[j / 2][(j % 2) * 2 + h2]));
+              uint32_t bf[4];
+              tile::ldmatrix_x4(bf, sB + ((b_row + 16 * j) * Tr::kStrideD + kk * 16 + b_col) * 2);
+              mma_pair<kIsBf16>(x[2 * j], x[2 * j + 1], a, bf);
             }
           }
         };
-        const bool plain = p.softcap <= 0.f && !p.alibi_slopes && p.p_dropout <= 0.f;
-        if (plain && !full && !(opts & kOptLegacy)) {
-          // Mask only (causal diagonal, window edge, sequence end): S = -inf where invisible, so mode 0
-          // gives P = 0 and dS = 0 there (LSE is +inf on empty rows, never -inf: no NaN).
+        // out += A B over the kBlockM queries: A = P^T or dS^T fragments, B = dO or Q by ldmatrix.trans.
+        auto gemm_queries = [&](const auto& af, uint32_t sB, auto& out) {  // out: float[kD / 8][4]
+          const int b_row = lane % 8 + lane / 8 % 2 * 8, b_col = lane / 16 * 8;
+#pragma unroll
+          for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+            for (int j = 0; j < kD / 16; ++j) {
+              uint32_t bf[4];
+              tile::ldmatrix_x4_trans(bf, sB + ((kk * 16 + b_row) * Tr::kStrideD + b_col + 16 * j) * 2);
+              mma_pair<kIsBf16>(out[2 * j], out[2 * j + 1], af[kk], bf);
+            }
+          }
+        };
+        // Masked block without softcap/ALiBi/dropout (causal diagonal, window edge, sequence end): S = -inf
+        // where invisible, so the fast path gives P = 0 and dS = 0 there (LSE is +inf on empty rows: no NaN).
+        auto mask = [&](auto& x) {
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
               const int key = n0 + 16 * warp + g + 8 * (r / 2), row = m0 + 8 * j + 2 * t + r % 2;
-              const bool visible = row < seq.sq && key < seq.sk && (wl < 0 || key >= row + off - wl) &&
-                                   (wr < 0 || key <= row + off + wr);
-              if (!visible) s[j][r] = -INFINITY;
+              if (!visible(row, key)) x[j][r] = -INFINITY;
             }
           }
-        }
-        if (plain && (full || !(opts & kOptLegacy))) {
-          pointwise(std::integral_constant<int, 0>{});
+        };
+        // P from S in place, and the A fragments of P^T (dropped). kGeneric = false: 2 instructions per
+        // element; kGeneric: softcap, ALiBi, masks and dropout, leaving x = P * (1 - tanh^2) under softcap,
+        // negated where dropout dropped the element (all dS needs besides dP and D).
+        auto probs = [&](auto generic_tag, auto& x, auto& af) {  // af: uint32_t[kBlockM / 16][4]
+          constexpr bool kGeneric = decltype(generic_tag)::value;
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+            const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
+            float pv[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const float lse_r = r % 2 ? l2.y : l2.x;
+              if constexpr (!kGeneric) {
+                pv[r] = x[j][r] = tile::fast_exp2(fmaf(x[j][r], p.softmax_scale_log2, -lse_r));
+              } else {
+                const int key = n0 + 16 * warp + g + 8 * (r / 2), row = m0 + 8 * j + 2 * t + r % 2;
+                float xs = x[j][r], th = 0.f;
+                if (p.softcap > 0) { th = tile::fast_tanh(xs * scale_over_cap); xs = p.softcap * th; }
+                float s2 = xs * p.softmax_scale_log2;
+                if (p.alibi_slopes) s2 -= slope2 * fabsf(float(row + off - key));
+                const float prob = full || visible(row, key) ? tile::fast_exp2(s2 - lse_r) : 0.f;
+                bool kept = true;
+                if (p.p_dropout > 0) {
+                  const tile::Philox4 rnd = tile::philox(seed, uint32_t(key) >> 2, row, b * p.h + head, rng_offset);
+                  const uint32_t word = (key & 3) == 0 ? rnd.x : (key & 3) == 1 ? rnd.y : (key & 3) == 2 ? rnd.z : rnd.w;
+                  kept = word >= p.dropout_threshold;
+                }
+                pv[r] = kept ? prob * (p.p_dropout > 0 ? p.rp_dropout : 1.f) : 0.f;
+                const float pd = p.softcap > 0 ? prob * (1.f - th * th) : prob;
+                x[j][r] = kept ? pd : -pd;
+              }
+            }
+            af[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(pv[0], pv[1]);
+            af[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(pv[2], pv[3]);
+          }
+        };
+        // dS = P * (dP - D) * scale into the A fragments of dS^T and the dS^T smem tile (phase C).
+        auto grads = [&](auto dropout_tag, const auto& pf, const auto& dp, auto& af) {
+          constexpr bool kDropout = decltype(dropout_tag)::value;
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+            const float2 dsc = *reinterpret_cast<const float2*>(dsum_scaled + 8 * j + 2 * t);
+            float ds[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              const float d_r = r % 2 ? dsc.y : dsc.x;
+              if constexpr (!kDropout) {
+                ds[r] = pf[j][r] * fmaf(dp[j][r], p.softmax_scale, -d_r);
+              } else {  // dP of a dropped element is 0
+                const float dpv = signbit(pf[j][r]) ? 0.f : dp[j][r] * p.rp_dropout;
+                ds[r] = fabsf(pf[j][r]) * fmaf(dpv, p.softmax_scale, -d_r);
+              }
+            }
+#pragma unroll
+            for (int h2 = 0; h2 < 2; ++h2) {
+              const uint32_t packed = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
+              af[j / 2][(j % 2) * 2 + h2] = packed;
+              const int kr = 16 * warp + g + 8 * h2, qc = 8 * j + 2 * t;
+              asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDSt + (kr * Tr::kStrideM + qc) * 2), "r"(packed));
+            }
+          }
+        };
+        const bool plain = p.softcap <= 0.f && !p.alibi_slopes && p.p_dropout <= 0.f;
+        // S, P, dV, then dP, dS, dK: on the fast path each elementwise pass shares a basic block with the
+        // next GEMM, so the scheduler overlaps them.
+        float x[kBlockM / 8][4] = {}, dp[kBlockM / 8][4] = {};
+        uint32_t af[kBlockM / 16][4];
+        gemm_keys(sK, sQ, x);
+        if (plain) {
+          if (!full) mask(x);
+          probs(std::false_type{}, x, af);
+          gemm_queries(af, sDO, acc[0]);
+          gemm_keys(sV, sDO, dp);
+          grads(std::false_type{}, x, dp, af);
         } else {
-          pointwise(std::integral_constant<int, 2>{});
-        }
-        // dV += P^T dO, dK += dS^T Q: A from registers, B by ldmatrix.trans.
-        const int b_row = lane % 8 + lane / 8 % 2 * 8, b_col = lane / 16 * 8;
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-#pragma unroll
-          for (int j = 0; j < kD / 16; ++j) {
-            const int addr = ((kk * 16 + b_row) * Tr::kStrideD + b_col + 16 * j) * 2;
-            uint32_t bo[4], bq[4];
-            tile::ldmatrix_x4_trans(bo, sDO + addr);
-            tile::ldmatrix_x4_trans(bq, sQ + addr);
-            mma_pair<kIsBf16>(dv[2 * j], dv[2 * j + 1], pt[kk], bo);
-            mma_pair<kIsBf16>(dk[2 * j], dk[2 * j + 1], dst[kk], bq);
+          probs(std::true_type{}, x, af);
+          gemm_queries(af, sDO, acc[0]);
+          gemm_keys(sV, sDO, dp);
+          if (p.p_dropout > 0) {
+            grads(std::true_type{}, x, dp, af);
+          } else {
+            grads(std::false_type{}, x, dp, af);
           }
         }
+        gemm_queries(af, sQ, acc[1]);
       }
       __syncthreads();  // dS^T complete; Q/dO of stage st free
 
@@ -310,24 +309,17 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
+      head = next_head;
+      mi = next_mi;
     }
     tile::cp_async_wait<0>();  // no copy may land after the block is done (K/V when iters == 0)
 
-    // ---- dK, dV of this key block (GQA: summed over the group's query heads) ----
+    // ---- dK, dV of this key block ----------------------------------------------
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       const int key = n0 + 16 * warp + g + 8 * h2;
-      if (key < seq.sk) {
-        T* dkp = static_cast<T*>(p.dk) + p.dk_batch_stride * b + int64_t(seq.k0 + key) * p.dk_row_stride +
-                 hk * p.dk_head_stride + 2 * t;
-        T* dvp = static_cast<T*>(p.dv) + p.dv_batch_stride * b + int64_t(seq.k0 + key) * p.dv_row_stride +
-                 hk * p.dv_head_stride + 2 * t;
-#pragma unroll
-        for (int j = 0; j < kD / 8; ++j) {
-          *reinterpret_cast<uint32_t*>(dkp + 8 * j) = tile::pack2<kIsBf16>(dk[j][2 * h2], dk[j][2 * h2 + 1]);
-          *reinterpret_cast<uint32_t*>(dvp + 8 * j) = tile::pack2<kIsBf16>(dv[j][2 * h2], dv[j][2 * h2 + 1]);
-        }
-      }
+      store_grad_row<kIsBf16, kD>(p, seq, b, hk, key, 2 * t, h2, true, acc[0]);
+      store_grad_row<kIsBf16, kD>(p, seq, b, hk, key, 2 * t, h2, false, acc[1]);
     }
   }
 }

@@ -56,21 +56,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (p.p_dropout > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
 
   for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
-    const int n0 = n_block * kBlockN;
     __syncthreads();  // the previous key block is done with K/V
-    const T* k = static_cast<const T*>(p.k) + p.k_batch_stride * b + int64_t(seq.k0 + n0) * p.k_row_stride +
-                 hk * p.k_head_stride;
-    const T* v = static_cast<const T*>(p.v) + p.v_batch_stride * b + int64_t(seq.k0 + n0) * p.v_row_stride +
-                 hk * p.v_head_stride;
-    load_tile<Tr>(sK, k, p.k_row_stride, kBlockN, seq.sk - n0);
-    load_tile<Tr>(sV, v, p.v_row_stride, kBlockN, seq.sk - n0);
-    tile::cp_async_commit();
-
-    // Query rows that see at least one key of this block.
-    int m_lo = 0, m_hi = seq.sq;
-    if (wr >= 0) m_lo = max(0, n0 - off - wr);
-    if (wl >= 0) m_hi = min(seq.sq, n0 + kBlockN - off + wl);
-    const int m_begin = m_lo / kBlockM, m_count = m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0;
+    const KeyBlock kb = begin_key_block<Tr>(p, seq, b, hk, n_block, sK, sV);
+    const int n0 = kb.n0, m_begin = kb.m_begin, m_count = kb.m_count;
     const int iters = groups * m_count;  // (query head, query block) pairs
 
     // Loads of iteration `it`: Q and dO by cp.async, LSE and D into registers
@@ -82,8 +70,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                    head * p.q_head_stride;
       const T* dout = static_cast<const T*>(p.dout) + p.do_batch_stride * b +
                       int64_t(seq.q0 + m0) * p.do_row_stride + head * p.do_head_stride;
-      load_tile<Tr>(sQ, q, p.q_row_stride, kBlockM, seq.sq - m0);
-      load_tile<Tr>(sDO, dout, p.do_row_stride, kBlockM, seq.sq - m0);
+      load_tile<Tr, kBlockM>(sQ, q, p.q_row_stride, seq.sq - m0);
+      load_tile<Tr, kBlockM>(sDO, dout, p.do_row_stride, seq.sq - m0);
       tile::cp_async_commit();
       if (tid < kBlockM) {
         const int i = m0 + tid;
@@ -226,22 +214,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     tile::cp_async_wait<0>();  // no copy may land after the block is done (K/V when iters == 0)
 
-    // ---- dK, dV of this key block (GQA: summed over the group's query heads) ----
+    // ---- dK, dV of this key block ----------------------------------------------
     const int wn = warp % Tr::kBWarpsN, wd = warp / Tr::kBWarpsN;
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
-      const int key = n0 + 16 * wn + g + 8 * h2;
-      if (key < seq.sk) {
-        T* dkp = static_cast<T*>(p.dk) + p.dk_batch_stride * b + int64_t(seq.k0 + key) * p.dk_row_stride +
-                 hk * p.dk_head_stride + wd * Tr::kBCols + 2 * t;
-        T* dvp = static_cast<T*>(p.dv) + p.dv_batch_stride * b + int64_t(seq.k0 + key) * p.dv_row_stride +
-                 hk * p.dv_head_stride + wd * Tr::kBCols + 2 * t;
-#pragma unroll
-        for (int j = 0; j < Tr::kBCols / 8; ++j) {
-          *reinterpret_cast<uint32_t*>(dkp + 8 * j) = tile::pack2<kIsBf16>(dk[j][2 * h2], dk[j][2 * h2 + 1]);
-          *reinterpret_cast<uint32_t*>(dvp + 8 * j) = tile::pack2<kIsBf16>(dv[j][2 * h2], dv[j][2 * h2 + 1]);
-        }
-      }
+      const int key = n0 + 16 * wn + g + 8 * h2, col0 = wd * Tr::kBCols + 2 * t;
+      store_grad_row<kIsBf16, Tr::kBCols>(p, seq, b, hk, key, col0, h2, false, dk);
+      store_grad_row<kIsBf16, Tr::kBCols>(p, seq, b, hk, key, col0, h2, true, dv);
     }
   }
 }

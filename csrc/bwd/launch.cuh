@@ -1,32 +1,21 @@
 // run_bwd_hdim: D = rowsum(dO * O) and zeroed dQ accumulators, the main
 // kernel, then the dQ conversion; one stream, no host synchronisation.
 #pragma once
-#include <cstdlib>
-
 #include "bwd/kernel.cuh"
 #include "bwd/kernel_v1.cuh"
 
 namespace hf_flash {
 namespace bwd {
 
-template <class Kernel, class... Extra>
+template <class Kernel>
 cudaError_t launch_main(Kernel kernel, int smem_bytes, const BwdParams& params, int copies, float* dsum,
-                        float* dq_acc, size_t copy_floats, cudaStream_t stream, Extra... extra) {
+                        float* dq_acc, size_t copy_floats, cudaStream_t stream) {
   // Once per instantiation (each Kernel type here is one function pointer per call site).
   cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(params.deterministic ? copies : num_n_blocks(params), params.h_k, params.b);
-  kernel<<<grid, kThreads, smem_bytes, stream>>>(params, dsum, dq_acc, copy_floats, extra...);
+  kernel<<<grid, kThreads, smem_bytes, stream>>>(params, dsum, dq_acc, copy_floats);
   return cudaSuccess;
-}
-
-// Benchmark-only variant switch (HF_FLASH_BWD_VARIANT) for bf16 d64/d128; 0 = default.
-inline int bwd_variant() {
-  static const int v = [] {
-    const char* s = std::getenv("HF_FLASH_BWD_VARIANT");
-    return s ? std::atoi(s) : 0;
-  }();
-  return v;
 }
 
 }  // namespace bwd
@@ -47,36 +36,9 @@ cudaError_t run_bwd_hdim(const BwdParams& params, cudaStream_t stream) {
       <<<(row_warps * kDotLanes + bwd::kThreads - 1) / bwd::kThreads, bwd::kThreads, 0, stream>>>(params, dsum);
 
   if constexpr (kHeadDim <= 128) {
-    bool done = false;
-    const int opts = bwd::bwd_variant() == 5 ? bwd::kOptLegacy : 0;
-    if constexpr (kIsBf16 && (kHeadDim == 64 || kHeadDim == 128)) {
-      const int variant = bwd::bwd_variant();
-      if (variant == 9) {  // v1, for A/B runs
-        using Tr = bwd::TraitsV1<kIsBf16, kHeadDim>;
-        err = bwd::launch_main(bwd::main_kernel_v1<kIsBf16, kHeadDim>, Tr::kSmemBytes, params, copies, dsum,
-                               dq_acc, ws.dq_copy_floats, stream);
-        done = true;
-      }
-      if constexpr (kHeadDim == 64) {
-        if (variant == 1) {
-          using Tr = bwd::Traits<kIsBf16, kHeadDim, 64, true>;
-          err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, 64, true>, Tr::kSmemBytes, params, copies,
-                                 dsum, dq_acc, ws.dq_copy_floats, stream, opts);
-          done = true;
-        } else if (variant == 3) {  // 64 query rows (the d64 default until v2 measured 128 faster)
-          using Tr = bwd::Traits<kIsBf16, kHeadDim, 64, false>;
-          err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, 64, false>, Tr::kSmemBytes, params, copies,
-                                 dsum, dq_acc, ws.dq_copy_floats, stream, opts);
-          done = true;
-        }
-      }
-    }
-    if (!done) {  // default: 128 query rows per step at d64 (fp16 too), 64 otherwise
-      constexpr int kBlockM = kHeadDim == 64 ? 128 : 64;
-      using Tr = bwd::Traits<kIsBf16, kHeadDim, kBlockM, false>;
-      err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim, kBlockM, false>, Tr::kSmemBytes, params, copies,
-                             dsum, dq_acc, ws.dq_copy_floats, stream, opts);
-    }
+    using Tr = bwd::Traits<kIsBf16, kHeadDim>;
+    err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim>, Tr::kSmemBytes, params, copies, dsum, dq_acc,
+                           ws.dq_copy_floats, stream);
   } else {
     using Tr = bwd::TraitsV1<kIsBf16, kHeadDim>;
     err = bwd::launch_main(bwd::main_kernel_v1<kIsBf16, kHeadDim>, Tr::kSmemBytes, params, copies, dsum, dq_acc,
