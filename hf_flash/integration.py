@@ -13,6 +13,11 @@ notes in the repository's docs):
   flash-attention mask (2-D ``(batch, kv)`` bool) for our name;
 * models with ``_compatible_flash_implementations`` rewrite any flash name to
   their own kernel: ``hf_flash.patches`` adds ours to the list of the class being loaded.
+
+Generation steps (at most ``DECODE_MAX_QUERY`` new tokens against a KV cache) skip the wrapper,
+which unpads with ``nonzero()`` and a host sync in every layer and gathers the whole cache: they
+call ``flash_attn_with_kvcache`` on transformers' cache tensors as they are (a static cache's
+buffer too), each row's keys being the run of ones of its padding mask, found by tensor ops.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ logger = logging.getLogger("hf_flash")
 NAME = "hf_flash"
 PAGED_NAME = f"paged|{NAME}"
 MIN_TRANSFORMERS = (5, 17)
+DECODE_MAX_QUERY = 16  # decode and speculative steps; longer queries (prefill) go through the wrapper
 
 
 class UnsupportedAttentionError(ValueError):
@@ -60,7 +66,97 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
     if attention_mask is not None and _is_cross_attention(module, is_causal):
         return _cross_attention(query, key, value, attention_mask, kwargs.get("dropout", 0.0), kwargs.get("scaling"),
                                 kwargs.get("softcap"))
+    if is_causal and _is_decode_step(module, query, key, value, attention_mask, kwargs):
+        ranges = _key_ranges(attention_mask, query)
+        if ranges is not None:
+            return _decode(query, key, value, *ranges, kwargs), None
     return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _is_decode_step(module, query, key, value, mask, kwargs) -> bool:
+    """A few new queries against a KV cache, inference only, no packing (varlen kwargs) and no paged cache."""
+    from transformers.integrations.flash_attention import get_target_dtype
+
+    q_len, kv_len = query.shape[2], key.shape[2]
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    return (q_len <= DECODE_MAX_QUERY and (kv_len > q_len or (mask is not None and mask.shape[-1] < kv_len))
+            and (mask is None or mask.shape[-1] <= kv_len) and not grad and not kwargs.get("dropout")
+            and all(kwargs.get(name) is None for name in ("cache", "cu_seq_lens_q", "cu_seq_lens_k"))
+            and query.dtype == key.dtype == value.dtype and query.shape[-1] == key.shape[-1] == value.shape[-1]
+            and get_target_dtype(query, module) in (None, query.dtype))
+
+
+def _capturing(t) -> bool:
+    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _key_ranges(mask, query):
+    """Per-row key range ``[start, end)`` (int32 ``(B,)``) in the cache, and the rows it cannot express.
+
+    Row ``b``'s keys are the ones of ``mask[b]``: left padding gives ``start``, a static cache's
+    unused tail gives ``end``, with no host sync. A mask whose ones are not one run (right padding
+    followed by generated tokens) has no such range: outside compilation and graph capture we
+    check once per mask object (one sync per forward, not per layer) and return None, sending
+    the step to transformers' wrapper; under compilation or capture we cannot, so those rows are
+    returned (as ``bad``) to be set to NaN rather than silently wrong.
+    """
+    if mask is None:
+        return None, None, None
+    capturing = _capturing(mask)
+    cached = None if capturing else getattr(mask, "_hf_flash_key_ranges", None)
+    if cached is not None:
+        return cached[0]
+    valid = mask.bool()
+    count = valid.sum(-1, dtype=torch.int32)
+    start = valid.int().argmax(-1).int()  # first one (0 for a row without any: count 0 makes it empty)
+    end = start + count
+    bad = (valid[:, 1:] & ~valid[:, :-1]).sum(-1) + valid[:, 0] > 1  # more than one run of ones
+    if query.shape[2] > 1:  # the queries are the last positions of the mask: the run must end there
+        bad |= end != valid.shape[-1]
+    if capturing:
+        return start, end, bad
+    ranges = None if bool(bad.any()) else (start, end, None)
+    if ranges is None:
+        _log_once("hf_flash: an attention mask has padding after valid tokens (right padding?); its decode steps "
+                  "use transformers' unpadding path; under torch.compile or CUDA graphs such rows become NaN, so pad "
+                  "on the left (tokenizer.padding_side='left')")
+    mask._hf_flash_key_ranges = (ranges,)
+    return ranges
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(message: str) -> None:
+    logger.warning(message)
+
+
+def _decode(query, key, value, start, end, bad, kwargs):
+    """flash_attn_with_kvcache on (B, S, H, D) transposed views of the (B, H, S, D) cache: no copy."""
+    b, kv_len = query.shape[0], key.shape[2]
+    if end is None:
+        end = torch.full((b,), kv_len, dtype=torch.int32, device=query.device)
+    window = kwargs.get("sliding_window")
+    out = interface.flash_attn_with_kvcache(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=end, cache_leftpad=start,
+        softmax_scale=kwargs.get("scaling"), causal=True, window_size=(-1, -1) if window is None else (window - 1, 0),
+        softcap=kwargs.get("softcap") or 0.0)
+    return out if bad is None else out.masked_fill(bad[:, None, None, None], float("nan"))
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function=None, attention_mask=None, **kwargs):
+    """The mask transformers builds for our name: its flash-attention mask (``(B, kv)`` bool, None
+    without padding), with two changes for compiled decoding on a static cache. A single-token
+    step's mask, shorter than the cache, is padded with zeros to the cache length, so every step
+    has one shape (one graph, one CUDA graph; the key set is unchanged). Under compilation the
+    no-padding check (a host sync) is skipped: a mask of ones is handled exactly anyway."""
+    if attention_mask is None:
+        return None
+    mask = attention_mask[:, -kv_length:]
+    if mask.shape[1] < kv_length:
+        return torch.nn.functional.pad(mask, (0, kv_length - mask.shape[1])) if q_length == 1 else mask
+    if torch.compiler.is_compiling() or not bool(mask.all()):
+        return mask
+    return None
 
 
 def _is_cross_attention(module, is_causal: bool) -> bool:
@@ -128,7 +224,7 @@ def register() -> bool:
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    AttentionMaskInterface.register(NAME, padding_mask)
     _install_lazy_import_hook(mfau)
     from .patches import install as _install_model_patches  # legacy families: patch at load, or refuse
 

@@ -197,24 +197,6 @@ def test_attention_dropout_trains(name, kernel_calls):
         torch.testing.assert_close(grads2[n], grads[n], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("name", CAUSAL)
-def test_greedy_generate_left_padded(name, cache, kernel_calls):
-    ids, _ = data()
-    mask = padding_mask("left")
-    ids = ids.masked_fill(mask == 0, 0)
-    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    if cache == "static":
-        kwargs["cache_implementation"] = "static"
-    with torch.no_grad():
-        ours = build(name, "hf_flash").generate(ids, **kwargs)
-        calls = kernel_calls["fwd"]
-        ref = build(name, "eager").generate(ids, **kwargs)
-    assert calls == 8 * LAYERS  # prefill + every decode step went through hf_flash
-    assert ours.shape == (len(LENGTHS), SEQ + 8)
-    assert torch.equal(ours, ref), f"{name} {cache}: hf_flash {ours[:, SEQ:].tolist()} vs eager {ref[:, SEQ:].tolist()}"
-
-
 def _save(tmp_path):
     build("llama", "eager").save_pretrained(tmp_path)
     return tmp_path

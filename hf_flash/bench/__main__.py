@@ -1,14 +1,16 @@
 import argparse
 import sys
 
-from . import e2e, kernels
+from . import e2e, generate, kernels
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hf_flash.bench")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {"kernels": (kernels, "attention kernels: hf_flash vs the SDPA backends"),
-                "e2e": (e2e, "whole-model training and generation: hf_flash vs sdpa, flex_attention, eager")}
+                "e2e": (e2e, "whole-model training and generation: hf_flash vs sdpa, flex_attention, eager"),
+                "generate": (generate, "generate() tokens/s, dynamic and static (compiled) caches: hf_flash vs "
+                                       "sdpa and each SDPA backend, eager, flex_attention")}
     for name, (module, help_text) in commands.items():
         module.add_arguments(sub.add_parser(name, help=help_text))
     args = parser.parse_args(argv)

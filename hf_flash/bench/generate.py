@@ -1,0 +1,192 @@
+"""Generation: tokens/s and peak memory of ``model.generate`` for hf_flash against every other
+attention implementation in the same run: sdpa (its own backend choice, then forced to each SDPA
+backend with torch.nn.attention.sdpa_kernel), eager and flex_attention.
+
+Model (also the e2e benchmark's): Llama-style random init, 8 layers, hidden 2048, 16 query / 8 KV
+heads (d 128), intermediate 5632, vocab 32000, bf16. Cases: 8 x 1024-token prompts (left-padded by
+0..112 tokens) and 1 x 16384, each + 128 greedy tokens; a dynamic cache (decode steps run eagerly)
+and a static cache (transformers compiles the decode step: torch.compile, mode reduce-overhead,
+CUDA graphs). tokens/s = new tokens / wall time of the whole generate call (prefill included);
+prefill ms = a generate call of one new token. CUDA-synchronised wall clock, median of timed calls
+after a warm-up call (which also compiles). Writes generate.csv (after every case) and generate.png
+to --out and prints a table last: each backend against hf_flash, and hf_flash against the best other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .kernels import write_csv
+
+BACKENDS = ("hf_flash", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "eager", "flex_attention")
+SHAPES = {"8x1024": (8, 1024), "1x16384": (1, 16384)}
+CACHES = ("dynamic", "static")
+NEW_TOKENS = 128
+PAD_STEP = 16  # row r of a batch is left-padded by PAD_STEP * r tokens
+
+
+@dataclass
+class Row:
+    task: str
+    shape: str
+    backend: str
+    tokens_per_s: float
+    peak_gib: float
+    prefill_ms: float = float("nan")
+    error: str = ""
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    parser.add_argument("--caches", default=",".join(CACHES), help="comma list of dynamic, static")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--steps", type=int, default=3, help="timed generate calls per case (after one warm-up)")
+    parser.add_argument("--out", default="bench_out", help="directory for generate.csv / generate.png")
+
+
+def build_model(backend: str, layers: int, max_positions: int):
+    """The benchmark model (Llama-style, random init, bf16, on the GPU) with one attention implementation."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=max_positions)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation=backend, dtype=torch.bfloat16)
+
+
+def timed(fn, warmup: int, steps: int) -> float:
+    """Median seconds of ``fn`` (CUDA-synchronised wall clock) after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sdpa_backend(backend: str):
+    """("sdpa", SDPBackend or None) for the sdpa variants, (backend, None) otherwise."""
+    from torch.nn.attention import SDPBackend
+
+    forced = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-math": SDPBackend.MATH}
+    return ("sdpa", forced[backend]) if backend in forced else (backend, None)
+
+
+def prompts(batch: int, length: int):
+    """Random token ids and a left-padding mask (row r padded by PAD_STEP * r tokens)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 32000, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    for row in range(batch):
+        mask[row, : PAD_STEP * row] = 0
+    return ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()
+
+
+@torch.no_grad()
+def measure(backend: str, shape: str, cache: str, layers: int = 8, new_tokens: int = NEW_TOKENS,
+            steps: int = 3) -> Row:
+    """One case; a backend that cannot run it gets a row with its error."""
+    from torch.nn.attention import sdpa_kernel
+
+    batch, length = SHAPES[shape]
+    implementation, sdpa_backend = _sdpa_backend(backend)
+    task = f"generate-{cache}"
+    try:
+        model = build_model(implementation, layers, max_positions=length + new_tokens).eval()
+        ids, mask = prompts(batch, length)
+        extra = {"cache_implementation": "static"} if cache == "static" else {}
+
+        def generate(n: int):
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0, **extra)
+
+        with sdpa_kernel(sdpa_backend) if sdpa_backend is not None else contextlib.nullcontext():
+            prefill = timed(lambda: generate(1), warmup=1, steps=steps)
+            torch.cuda.reset_peak_memory_stats()
+            seconds = timed(lambda: generate(new_tokens), warmup=1, steps=steps)
+        return Row(task, shape, backend, batch * new_tokens / seconds, torch.cuda.max_memory_allocated() / 2**30,
+                   prefill * 1e3)
+    except Exception as e:  # noqa: BLE001  (whatever stops a backend on a case is its result)
+        return Row(task, shape, backend, float("nan"), float("nan"), error=f"{type(e).__name__}: "
+                   + (str(e).strip().splitlines() or [""])[0][:120])
+    finally:
+        model = None
+        gc.collect()
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+
+def plot(rows: list[Row], path: str) -> None:
+    """Bars of tokens/s and peak memory per backend, one column of panels per (task, shape)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r.task, r.shape) for r in rows))
+    backends = list(dict.fromkeys(r.backend for r in rows))
+    fig, axes = plt.subplots(2, len(groups), figsize=(3.4 * len(groups) + 0.3 * len(backends), 6.5), squeeze=False)
+    for col, (task, shape) in enumerate(groups):
+        for row, (field, label) in enumerate((("tokens_per_s", "tokens/s"), ("peak_gib", "peak GiB"))):
+            values = [next((getattr(r, field) for r in rows if (r.task, r.shape, r.backend) == (task, shape, b)),
+                           float("nan")) for b in backends]
+            ax = axes[row][col]
+            ax.bar(backends, values, color=["C0" if b == "hf_flash" else "C7" for b in backends])
+            ax.set_title(f"{task} {shape}", fontsize=9)
+            ax.set_ylabel(label)
+            ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    fig.suptitle(f"{torch.cuda.get_device_name()}: Llama 2048 hidden, 16/8 heads, bf16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def summary(rows: list[Row]) -> str:
+    lines = [f"{'task':17} {'shape':8} {'backend':15} {'tok/s':>8} {'prefill ms':>10} {'peak GiB':>8} "
+             f"{'vs hf_flash':>11}"]
+    ours = {(r.task, r.shape): r.tokens_per_s for r in rows if r.backend == "hf_flash"}
+    for r in rows:
+        base = ours.get((r.task, r.shape))
+        ratio = f"{r.tokens_per_s / base:11.2f}" if base and r.tokens_per_s == r.tokens_per_s else f"{'-':>11}"
+        lines.append(f"{r.task:17} {r.shape:8} {r.backend:15} {r.tokens_per_s:8.0f} {r.prefill_ms:10.1f} "
+                     f"{r.peak_gib:8.1f} {ratio}" + (f"  ({r.error})" if r.error else ""))
+    for (task, shape), tokens in ours.items():
+        others = [r for r in rows if (r.task, r.shape) == (task, shape) and r.backend != "hf_flash"
+                  and r.tokens_per_s == r.tokens_per_s]
+        if others and tokens == tokens:
+            best = max(others, key=lambda r: r.tokens_per_s)
+            lines.append(f"{task} {shape}: hf_flash {tokens / best.tokens_per_s:.2f}x the best other ({best.backend})")
+    return "\n".join(lines)
+
+
+def run(args) -> None:
+    from tqdm import tqdm
+
+    import hf_flash  # noqa: F401  (registers the backend)
+
+    def split(text):
+        return [x.strip() for x in text.split(",") if x.strip()]
+
+    jobs = [(shape, cache, backend) for shape in split(args.shapes) for cache in split(args.caches)
+            for backend in split(args.backends)]
+    rows = []
+    for shape, cache, backend in (bar := tqdm(jobs, desc="generate", unit="case")):
+        bar.set_postfix_str(f"{shape} {cache} {backend}")
+        rows.append(measure(backend, shape, cache, args.layers, args.new_tokens, args.steps))
+        write_csv(rows, args.out, "generate.csv")  # after every case: a cut-off run keeps what it measured
+    plot(rows, os.path.join(args.out, "generate.png"))
+    print(summary(rows))
