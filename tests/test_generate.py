@@ -18,7 +18,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from test_transformers import CAUSAL, LAYERS, LENGTHS, SEQ, VOCAB, build, data, padding_mask  # noqa: E402
+from test_transformers import CAUSAL, LAYERS, LENGTHS, SEQ, build, data, padding_mask  # noqa: E402
 
 from hf_flash import integration, interface  # noqa: E402
 
