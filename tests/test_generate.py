@@ -42,7 +42,7 @@ def paths(monkeypatch):
         return upad(q, k, v, mask, query_length, *args)
 
     def spy_key_ranges(mask, query):
-        seen["mask_shapes"].append(None if mask is None else (query.shape[2], tuple(mask.shape)))
+        seen["mask_shapes"].append((query.shape[2], None if mask is None else tuple(mask.shape)))
         return key_ranges(mask, query)
 
     monkeypatch.setattr(interface, "flash_attn_with_kvcache", spy_kvcache)
@@ -98,11 +98,29 @@ def test_split_mask_generate_falls_back(cache, kernel_calls, paths):
     assert torch.equal(ours, ref), f"{name} {cache}: hf_flash {ours[:, SEQ:].tolist()} vs eager {ref[:, SEQ:].tolist()}"
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_prompt_lookup_generate(padded, paths):
+    """Speculative steps (several candidate tokens against the cache, then a cache crop) take the
+    decode path and give eager's greedy tokens."""
+    ids, _ = data()
+    ids = ids[:1].repeat(1, 2)  # repeats give the prompt lookup candidates to verify
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[:, :3], mask[:, :3] = 0, 0
+    kwargs = dict(prompt_lookup_num_tokens=4, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                  attention_mask=mask)
+    with torch.no_grad():
+        ours = build("llama", "hf_flash").generate(ids, **kwargs)
+        ref = build("llama", "eager").generate(ids, **kwargs)
+    assert any(q_len > 1 for q_len, _ in paths["mask_shapes"]), "no multi-token step"
+    assert torch.equal(ours, ref), f"hf_flash {ours[:, ids.shape[1]:].tolist()} vs eager {ref[:, ids.shape[1]:].tolist()}"
+
+
 def test_static_decode_masks_have_one_shape(paths):
     """Single-token steps on a static cache see a mask padded to the cache length: one compiled graph."""
     ids, mask = prompts("left")
     greedy(build("llama", "hf_flash"), ids, mask, "static")
-    decode = {shape for q_len, shape in filter(None, paths["mask_shapes"]) if q_len == 1}
+    decode = {shape for q_len, shape in paths["mask_shapes"] if q_len == 1}
     assert decode == {(len(LENGTHS), SEQ + NEW - 1)}  # the cache length; unpadded masks grow from SEQ + 1
 
 
