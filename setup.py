@@ -60,11 +60,11 @@ def extension_kwargs():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     os.environ.setdefault("MAX_JOBS", str(_default_max_jobs()))
-    families = {"FORWARD": "fwd", "BACKWARD": "bwd"}  # HF_FLASH_DISABLE_<name> -> csrc/<folder>
+    families = {"FORWARD": ("fwd", "decode"), "BACKWARD": ("bwd",)}  # HF_FLASH_DISABLE_<name> -> csrc/<folders>
     disabled = [name for name in families if os.environ.get(f"HF_FLASH_DISABLE_{name}") == "1"]
     defines = [f"-DHF_FLASH_DISABLE_{name}" for name in disabled]
     sources = ["csrc/binding.cpp"] + sorted(
-        path for name, folder in families.items() if name not in disabled
+        path for name, folders in families.items() if name not in disabled for folder in folders
         for path in glob.glob(f"csrc/{folder}/**/*.cu", recursive=True))
     print(f"hf_flash: building the CUDA extension from {len(sources)} files, MAX_JOBS={os.environ['MAX_JOBS']}")
     ext = CUDAExtension(

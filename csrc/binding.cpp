@@ -1,6 +1,6 @@
 // The only file that sees torch: validates tensors, fills hf_flash::FwdParams /
 // BwdParams and registers the CUDA implementations as torch.library ops
-// (hf_flash::_cuda_fwd, hf_flash::_cuda_bwd). hf_flash/ops.py wraps them in the
+// (hf_flash::_cuda_fwd, _cuda_fwd_kvcache, _cuda_bwd). hf_flash/ops.py wraps them in the
 // public ops with fake implementations and autograd.
 #include <Python.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -141,6 +141,52 @@ std::tuple<at::Tensor, at::Tensor> cuda_fwd(
   return {o, lse};
 }
 
+// Inference against a KV cache (b, s_cache, h_k, d), any row/head/batch strides: the split-KV decode
+// kernel for seqlen_q <= kDecodeMaxSeqlenQ, the forward kernel above that. num_splits: 0 = heuristic.
+std::tuple<at::Tensor, at::Tensor> cuda_fwd_kvcache(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+    const c10::optional<at::Tensor>& cache_leftpad, double softmax_scale, bool causal, int64_t window_left,
+    int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
+  check_qkv(q, k_cache, v_cache, false);
+  check_arch();
+  TORCH_CHECK(k_cache.size(0) == q.size(0), "hf_flash: k_cache and q batch sizes differ");
+  TORCH_CHECK(cache_seqlens.is_contiguous(), "hf_flash: cache_seqlens must be contiguous");
+  TORCH_CHECK(num_splits >= 0, "hf_flash: num_splits must be >= 0");
+  c10::cuda::CUDAGuard guard(q.device());
+  auto o = at::empty_like(q);
+  auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  if (q.numel() == 0) return {o, lse};
+  FwdParams p;
+  fill_common(p, q, k_cache, v_cache, o, lse, c10::nullopt, c10::nullopt, cache_seqlens, q.size(1), k_cache.size(1),
+              softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, 0.0, c10::nullopt);
+  if (cache_leftpad.has_value()) {
+    TORCH_CHECK(cache_leftpad->is_cuda() && cache_leftpad->scalar_type() == at::kInt &&
+                    cache_leftpad->numel() == p.b && cache_leftpad->is_contiguous(),
+                "hf_flash: cache_leftpad must be a contiguous int32 CUDA vector of batch entries");
+    p.leftpad_k = cache_leftpad->data_ptr<int>();
+  }
+#ifdef HF_FLASH_DISABLE_FORWARD
+  TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_FORWARD=1");
+#else
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (p.seqlen_q > kDecodeMaxSeqlenQ) {
+    C10_CUDA_CHECK(run_fwd(p, stream));
+    return {o, lse};
+  }
+  p.num_splits = num_splits > 0 ? int(std::min<int64_t>(num_splits, kDecodeMaxSplits)) : decode_num_splits(p);
+  at::Tensor o_accum, lse_accum;  // fp32 partials, freed (stream-ordered) once the combine has read them
+  if (p.num_splits > 1) {
+    auto opts = q.options().dtype(at::kFloat);
+    lse_accum = at::empty({p.num_splits, p.b, p.h, p.seqlen_q}, opts);
+    o_accum = at::empty({p.num_splits, p.b, p.h, p.seqlen_q, p.d}, opts);
+    p.o_accum = o_accum.data_ptr<float>();
+    p.lse_accum = lse_accum.data_ptr<float>();
+  }
+  C10_CUDA_CHECK(run_decode(p, stream));
+#endif
+  return {o, lse};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const c10::optional<at::Tensor>& cu_seqlens_q, const c10::optional<at::Tensor>& cu_seqlens_k,
@@ -183,6 +229,9 @@ TORCH_LIBRARY_FRAGMENT(hf_flash, m) {
   m.def("_cuda_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_k, "
         "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
         "float softcap, Tensor? alibi_slopes, float dropout_p, Tensor? rng_state) -> (Tensor, Tensor)");
+  m.def("_cuda_fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? cache_leftpad, "
+        "float softmax_scale, bool causal, int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
+        "int num_splits) -> (Tensor, Tensor)");
   m.def("_cuda_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
         "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
         "int window_left, int window_right, float softcap, Tensor? alibi_slopes, float dropout_p, "
@@ -191,6 +240,7 @@ TORCH_LIBRARY_FRAGMENT(hf_flash, m) {
 
 TORCH_LIBRARY_IMPL(hf_flash, CUDA, m) {
   m.impl("_cuda_fwd", &cuda_fwd);
+  m.impl("_cuda_fwd_kvcache", &cuda_fwd_kvcache);
   m.impl("_cuda_bwd", &cuda_bwd);
 }
 

@@ -34,6 +34,9 @@ struct FwdParams {
   const int* __restrict__ cu_seqlens_q;  // (b+1) int32 or nullptr (dense)
   const int* __restrict__ cu_seqlens_k;  // (b+1) int32 or nullptr (dense)
   const int* __restrict__ seqused_k;     // (b) valid keys per row of a KV cache, or nullptr
+  // KV cache with left padding: row b's keys are rows [leftpad_k[b], seqused_k[b]) (dense only; nullptr = 0).
+  // Both are clamped to [0, seqlen_k] on the device, so bad lengths cannot read out of bounds.
+  const int* __restrict__ leftpad_k;
 
   float softmax_scale;       // applied to q.k before softcap
   float softmax_scale_log2;  // softmax_scale * log2(e), or log2(e) when softcap > 0
@@ -62,6 +65,14 @@ struct FwdParams {
 
   bool is_bf16;       // else fp16
   int num_sms;        // of the current device, for split / persistent heuristics
+
+  // Split-KV decode: each row's visible keys are cut into num_splits ranges; with num_splits > 1 every
+  // range writes fp32 partials, o_accum (num_splits, b, h, seqlen_q, d) normalised by its own sum and
+  // lse_accum (num_splits, b, h, seqlen_q) (-inf when the range saw no key), and a combine kernel
+  // writes o and lse.
+  int num_splits;
+  float* __restrict__ o_accum;
+  float* __restrict__ lse_accum;
 };
 
 struct BwdParams : FwdParams {
@@ -83,6 +94,13 @@ struct BwdParams : FwdParams {
 // dispatch on (dtype, d) to the generated instantiations, and return the CUDA
 // launch status.
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
+
+// Decode against a KV cache (dense, seqused_k set): seqlen_q <= kDecodeMaxSeqlenQ query rows per
+// sequence, the h / h_k query heads of one KV head packed into one tile's rows.
+constexpr int kDecodeMaxSeqlenQ = 16;
+constexpr int kDecodeMaxSplits = 128;
+int decode_num_splits(const FwdParams& params);  // enough CTAs to saturate HBM (decode/splits.cu)
+cudaError_t run_decode(const FwdParams& params, cudaStream_t stream);
 size_t bwd_workspace_bytes(const BwdParams& params);
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream);
 

@@ -1,8 +1,9 @@
-"""The hf_flash::fwd / hf_flash::bwd custom ops: dispatch, fake shapes, autograd.
+"""The hf_flash::fwd / hf_flash::bwd / hf_flash::fwd_kvcache custom ops: dispatch, fake shapes, autograd.
 
-Both ops take one argument list for dense ``(B, S, H, D)`` and varlen
-``(T, H, D)`` inputs. They run the CUDA kernels (``hf_flash::_cuda_fwd`` /
-``_cuda_bwd``, registered by ``csrc/binding.cpp``) when the extension is built,
+fwd and bwd take one argument list for dense ``(B, S, H, D)`` and varlen
+``(T, H, D)`` inputs; fwd_kvcache is the inference forward against a KV cache.
+They run the CUDA kernels (``hf_flash::_cuda_fwd`` / ``_cuda_bwd`` /
+``_cuda_fwd_kvcache``, registered by ``csrc/binding.cpp``) when the extension is built,
 the tensors are fp16/bf16 on an sm80+ GPU and the head dim is a compiled one;
 otherwise the PyTorch reference (``hf_flash.reference``). ``backend_for`` says
 which and why. As torch.library custom ops with fake implementations they are
@@ -75,7 +76,9 @@ def uses_kernels(q: Tensor) -> bool:
 
 def _for_kernel(x):
     """Q/K/V-like tensors as the kernels take them: a compiled head dim (zero
-    padding does not change q.k or add output columns), 16-byte aligned rows."""
+    padding does not change q.k or add output columns), 16-byte aligned rows; int32 lengths contiguous."""
+    if isinstance(x, Tensor) and x.dtype == torch.int32:
+        return x.contiguous()
     if not isinstance(x, Tensor) or x.dim() < 3 or x.dtype not in KERNEL_DTYPES:
         return x
     d = x.shape[-1]
@@ -136,21 +139,23 @@ def fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tens
                 softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
                 alibi_slopes: Optional[Tensor], num_splits: int) -> tuple[Tensor, Tensor]:
     """Inference forward against a KV cache (B, S_cache, H_k, D), strided views welcome: row b attends to
-    cache rows [cache_leftpad[b], cache_seqlens[b]). Returns (out like q, lse float32 (B, H, Sq))."""
+    cache rows [cache_leftpad[b], cache_seqlens[b]). Returns (out like q, lse float32 (B, H, Sq)). On the
+    GPU, up to 16 query rows run the split-KV decode kernel (``num_splits``: 0 = heuristic), more the
+    forward kernel."""
     args = (q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_left, window_right,
             softcap, alibi_slopes, num_splits)
-    if not uses_kernels(q) or cache_leftpad is not None:
+    if not uses_kernels(q):
         return reference.fwd_kvcache(*args)
     d = q.shape[-1]
-    out, lse = torch.ops.hf_flash._cuda_fwd(*map(_for_kernel, (q, k_cache, v_cache)), None, None, cache_seqlens,
-                                            q.shape[1], k_cache.shape[1], softmax_scale, causal, window_left,
-                                            window_right, softcap, alibi_slopes, 0.0, None)
+    out, lse = torch.ops.hf_flash._cuda_fwd_kvcache(*map(_for_kernel, args))
     return out[..., :d], lse
 
 
-@fwd_kvcache.register_fake
-def _(q, *rest):
+def _fwd_kvcache_fake(q, *rest):
     return torch.empty_like(q), q.new_empty(_lse_shape(q, False), dtype=torch.float32)
+
+
+fwd_kvcache.register_fake(_fwd_kvcache_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -182,6 +187,8 @@ def _register_cuda_fakes() -> None:
     @torch.library.register_fake("hf_flash::_cuda_fwd")
     def _(q, k, v, cu_seqlens_q, *rest):
         return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
+
+    torch.library.register_fake("hf_flash::_cuda_fwd_kvcache")(_fwd_kvcache_fake)
 
     @torch.library.register_fake("hf_flash::_cuda_bwd")
     def _(dout, q, k, v, *rest):

@@ -23,12 +23,15 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // Tile copies: 8 threads cover one 64-column group of a row (a 16-byte chunk
 // each) and kThreads / 8 rows per pass. The rows a thread touches share
-// row % 8, so its swizzled offsets differ by immediates only.
+// row % 8 when kThreads >= 64, so its swizzled offsets differ by immediates only.
+// `thread` < kThreads (the decode kernel's warps copy their own tiles, thread = lane).
 template <class Tr>
 struct CopyLane {
   static constexpr int kRowsPerPass = Tr::kThreads / 8;
-  int row = threadIdx.x / 8, col = threadIdx.x % 8 * 8;  // first row, column (elements)
-  uint32_t smem = tile::swizzle<Tr::kRowBytes>(row, col * 2);
+  int row, col;  // first row, column (elements)
+  uint32_t smem;
+  __device__ __forceinline__ explicit CopyLane(int thread = threadIdx.x)
+      : row(thread / 8), col(thread % 8 * 8), smem(tile::swizzle<Tr::kRowBytes>(row, col * 2)) {}
   // Columns past d (d32, d96 pad their shared rows) are never copied or read.
   __device__ __forceinline__ bool has_group(int cg) const { return cg * 64 + col < Tr::kHeadDim; }
 };
@@ -37,10 +40,10 @@ struct CopyLane {
 // (zero V rows keep P V finite where P is 0).
 template <class Tr, int kRows>
 __device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::T* gmem, int64_t row_stride,
-                                          int valid_rows) {
+                                          int valid_rows, int thread = threadIdx.x) {
   constexpr int kPass = CopyLane<Tr>::kRowsPerPass;
   static_assert(kRows % kPass == 0, "whole passes per tile");
-  const CopyLane<Tr> lane;
+  const CopyLane<Tr> lane(thread);
   const typename Tr::T* src = gmem + lane.row * row_stride + lane.col;
 #pragma unroll
   for (int cg = 0; cg < Tr::kSmemCols / 64; ++cg) {
@@ -48,8 +51,10 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::T* g
 #pragma unroll
     for (int rr = 0; rr < kRows / kPass; ++rr) {
       const bool valid = lane.row + rr * kPass < valid_rows;
-      tile::cp_async16(smem + lane.smem + rr * kPass * Tr::kRowBytes + cg * 128,
-                       valid ? src + rr * kPass * row_stride + cg * 64 : gmem, valid);
+      const uint32_t dst = kPass % 8 == 0
+                               ? smem + lane.smem + rr * kPass * Tr::kRowBytes + cg * 128
+                               : smem + tile::swizzle<Tr::kRowBytes>(lane.row + rr * kPass, (lane.col + cg * 64) * 2);
+      tile::cp_async16(dst, valid ? src + rr * kPass * row_stride + cg * 64 : gmem, valid);
     }
   }
 }
@@ -131,6 +136,62 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kMTiles][Tr::kDTiles][4],
     }
 }
 
+// Keys of `batch` as (first row, count). A KV cache (seqused_k) holds rows [leftpad_k, seqused_k) of
+// its seqlen_k, clamped to them.
+__device__ __forceinline__ int2 key_range(const FwdParams& p, int batch) {
+  const bool varlen = p.cu_seqlens_k != nullptr;
+  const int start = varlen ? p.cu_seqlens_k[batch] : 0;
+  if (!p.seqused_k) return make_int2(start, varlen ? p.cu_seqlens_k[batch + 1] - start : p.seqlen_k);
+  const int end = max(0, min(p.seqused_k[batch], p.seqlen_k));
+  const int leftpad = p.leftpad_k ? min(max(p.leftpad_k[batch], 0), end) : 0;
+  return make_int2(start + leftpad, end - leftpad);
+}
+
+// s = softcap * tanh(s * softcap_in) on the unscaled scores.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void apply_softcap(float (&s)[kMTiles][kNTiles][4], float softcap, float softcap_in) {
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mi][nt][e] = softcap * tile::fast_tanh(s[mi][nt][e] * softcap_in);
+}
+
+// Online softmax step on one key block of masked scores: P = exp2(S * scale_log2 - max) in place,
+// O and the row sums rescaled to the new row max.
+template <class Tr>
+__device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
+                                               float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
+                                               float (&o)[Tr::kMTiles][Tr::kDTiles][4], float scale_log2) {
+#pragma unroll
+  for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = row_max[mi][half];
+#pragma unroll
+      for (int nt = 0; nt < Tr::kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][half * 2], s[mi][nt][half * 2 + 1]));
+      mx = tile::quad_max(mx);
+      const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;  // fully masked so far: P = 0, no NaN
+      const float alpha = tile::fast_exp2(row_max[mi][half] * scale_log2 - max_scaled);
+      row_max[mi][half] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < Tr::kNTiles; ++nt)
+#pragma unroll
+        for (int e = half * 2; e < half * 2 + 2; ++e) {
+          s[mi][nt][e] = tile::fast_exp2(fmaf(s[mi][nt][e], scale_log2, -max_scaled));
+          sum += s[mi][nt][e];
+        }
+      row_sum[mi][half] = row_sum[mi][half] * alpha + sum;
+#pragma unroll
+      for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+        o[mi][dt][half * 2] *= alpha;
+        o[mi][dt][half * 2 + 1] *= alpha;
+      }
+    }
+}
+
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant__ FwdParams p) {
   using T = typename Tr::T;
@@ -152,9 +213,9 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
   const int head = blockIdx.y, batch = blockIdx.z;
   const bool varlen = p.cu_seqlens_q != nullptr;
   const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
-  const int k_start = varlen ? p.cu_seqlens_k[batch] : 0;
   const int seqlen_q = varlen ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
-  const int seqlen_k = p.seqused_k ? p.seqused_k[batch] : varlen ? p.cu_seqlens_k[batch + 1] - k_start : p.seqlen_k;
+  const int2 keys = key_range(p, batch);
+  const int k_start = keys.x, seqlen_k = keys.y;
   const int m0 = m_block * kBlockM;
   if (m0 >= seqlen_q) return;
 
@@ -225,14 +286,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
     tile::cp_async_commit();
 
     // ---- scores: softcap, ALiBi, mask (S is still q.k, unscaled) ----------------
-    if (has_softcap) {
-#pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mi][nt][e] = p.softcap * tile::fast_tanh(s[mi][nt][e] * softcap_in);
-    }
+    if (has_softcap) apply_softcap(s, p.softcap, softcap_in);
     if (alibi != 0.f) {
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi)
@@ -262,33 +316,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
         }
     }
 
-    // ---- online softmax: P = exp2(S * scale_log2 - max), rescale O and the row sum ----
-#pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float mx = row_max[mi][half];
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][half * 2], s[mi][nt][half * 2 + 1]));
-        mx = tile::quad_max(mx);
-        const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;  // fully masked so far: P = 0, no NaN
-        const float alpha = tile::fast_exp2(row_max[mi][half] * scale_log2 - max_scaled);
-        row_max[mi][half] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = half * 2; e < half * 2 + 2; ++e) {
-            s[mi][nt][e] = tile::fast_exp2(fmaf(s[mi][nt][e], scale_log2, -max_scaled));
-            sum += s[mi][nt][e];
-          }
-        row_sum[mi][half] = row_sum[mi][half] * alpha + sum;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          o[mi][dt][half * 2] *= alpha;
-          o[mi][dt][half * 2 + 1] *= alpha;
-        }
-      }
+    online_softmax<Tr>(s, row_max, row_sum, o, scale_log2);
 
     // ---- dropout on P (the row sum above stays undropped) -----------------------
     if (has_dropout) {

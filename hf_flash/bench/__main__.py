@@ -1,13 +1,14 @@
 import argparse
 import sys
 
-from . import e2e, generate, kernels
+from . import decode, e2e, generate, kernels
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hf_flash.bench")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {"kernels": (kernels, "attention kernels: hf_flash vs the SDPA backends"),
+                "decode": (decode, "decode attention against a KV cache: GB/s of hf_flash vs the SDPA backends"),
                 "e2e": (e2e, "whole-model training and generation: hf_flash vs sdpa, flex_attention, eager"),
                 "generate": (generate, "generate() tokens/s, dynamic and static (compiled) caches: hf_flash vs "
                                        "sdpa and each SDPA backend, eager, flex_attention")}
