@@ -10,7 +10,8 @@ fp32 model (2 layers, hidden 64, 4 heads) is built twice from one seed, with
 * ``match``: logits on valid tokens and all parameter gradients agree, and
   hf_flash's kernel ran once per attention call (no layer ran eager math);
 * ``refusal``: loading with ``hf_flash`` raised a clear error naming the model
-  type (``hf_flash.patches.UnsupportedModelError``);
+  type (``hf_flash.patches.UnsupportedModelError``), also when eager cannot
+  run the type on its own (a speculative-decoding drafter);
 * ``mismatch``: outputs or gradients differ;
 * ``silent-eager``: hf_flash loaded and ran, but some attention did not go
   through its kernel (too few kernel calls, or a softmax over attention
@@ -18,16 +19,17 @@ fp32 model (2 layers, hidden 64, 4 heads) is built twice from one seed, with
 * ``crash``: anything else raised (at load, in forward or in backward);
 * ``skipped``: not a text model (vision/audio/multimodal), with the reason;
 * ``untestable``: even ``eager`` cannot run the tiny config (a harness gap,
-  listed with its error).
+  listed with its error: a ``FIXUPS`` entry closes it).
 
-The CI test (``tests/test_coverage.py``) fails on any mismatch, silent-eager
-or crash. Nothing is cached on disk.
+The CI test (``tests/test_coverage.py``) fails on any mismatch, silent-eager,
+crash or untestable type. Nothing is cached on disk.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import inspect
 import os
@@ -90,6 +92,33 @@ FIXUPS: dict[str, dict] = {
     "gemma3n_text": {"layer_types": ["sliding_attention", "full_attention"], "num_kv_shared_layers": 0,
                      "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16, "laurel_rank": 8,
                      "activation_sparsity_pattern": [0.0, 0.0]},
+    "kimi_linear": {"layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"],
+                    "num_experts_per_token": 2, "linear_head_dim": 16, "linear_num_heads": 4},
+    "qwen4_exp_text": {"layer_types": ["linear_attention", "qwen_sparse_attention"], "linear_key_head_dim": 16,
+                       "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                       "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 4,
+                       "indexer_compress_ratio": 1, "ngram_vocab_size_base": 256},
+    "lfm3": {"layer_types": ["conv", "full_attention"]},
+    "gemma4_assistant": {"text_config": {  # a drafter over a Gemma 4 text stack without per-layer inputs
+        "model_type": "gemma4_text", "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+        "enable_moe_block": False, "use_double_wide_mlp": False, "vocab_size": VOCAB, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "global_head_dim": 16}},
+    "mamba2": {"num_heads": 8, "n_groups": 1},  # num_heads * head_dim = 2 * hidden
+    # per-layer-type rotary tables (mrope sections sum to head_dim / 2)
+    "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
+        t: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}
+        for t in ("sliding_attention", "full_attention")}},
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+             "ffn_config": {"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 1}},
+    "esm": {"pad_token_id": 1, "mask_token_id": 2},  # padded positions come from pad_token_id
+    "esmc": {"num_key_value_heads": 4},  # no grouped-query attention
+    "lilt": {"hidden_size": 96},  # its layout embeddings split hidden_size in six
+    "xmod": {"default_language": "en_XX"},  # language adapters need a language
+    "nllb-moe": {"encoder_sparse_step": 2, "decoder_sparse_step": 2},  # one MoE layer in each stack
+    # NoNorm (an elementwise affine, no normalisation) at the generic init range saturates the softmax:
+    # gradients then differ between eager and sdpa by 100x; the default init keeps them comparable
+    "mobilebert": {"initializer_range": 0.02},
 }
 
 
@@ -134,16 +163,8 @@ def _sub_config_reason(config) -> Optional[str]:
     return None
 
 
-def tiny_config(model_type: str):
-    """The type's default config, shrunk to 2 layers / hidden 64 / 4 heads, no dropout."""
-    from transformers import CONFIG_MAPPING
-
-    cls = CONFIG_MAPPING[model_type]
-    if model_type == "encoder-decoder":  # a composite of two sub-configs (5.23's default: two full-size BERTs)
-        decoder = tiny_config("bert")
-        decoder.is_decoder = decoder.add_cross_attention = True
-        return cls.from_encoder_decoder_configs(tiny_config("bert"), decoder)
-    defaults = cls().to_dict()
+def _shrunk(defaults: dict) -> dict:
+    """Overrides that shrink one config's defaults (sizes, dropout, token ids, windows)."""
     kw = {}
     for value, names in _SHRINK.items():
         for name in names:
@@ -158,7 +179,8 @@ def tiny_config(model_type: str):
                 isinstance(value, int) and value > 0):
             kw[name] = 4
     # sizes whose default is None (derived from the full-size config elsewhere, or required from checkpoints)
-    for name, value in (("head_dim", 16), ("num_key_value_heads", 2), ("num_experts_per_tok", 2)):
+    for name, value in (("head_dim", 16), ("num_key_value_heads", 2), ("num_experts_per_tok", 2),
+                        ("vocab_size", VOCAB), ("n_routed_experts", 4), ("n_shared_experts", 1)):
         if name in defaults and defaults[name] is None:
             kw[name] = value
     if "kv_lora_rank" in defaults:  # MLA: keys/values are expanded to every query head (kv heads = heads)
@@ -169,8 +191,36 @@ def tiny_config(model_type: str):
         kw["attn_layer_indices"] = [1]
     if "initializer_range" in defaults:
         kw["initializer_range"] = 0.2
-    kw.update(FIXUPS.get(model_type, {}))
-    return cls(**kw)
+    return kw
+
+
+def tiny_config(model_type: str):
+    """The type's default config, shrunk to 2 layers / hidden 64 / 4 heads, no dropout."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    if model_type == "encoder-decoder":  # a composite of two sub-configs (5.23's default: two full-size BERTs)
+        decoder = tiny_config("bert")
+        decoder.is_decoder = decoder.add_cross_attention = True
+        return cls.from_encoder_decoder_configs(tiny_config("bert"), decoder)
+    fixups = FIXUPS.get(model_type, {})
+    try:
+        defaults = cls().to_dict()
+    except Exception:  # a default config that fails its own validation (5.23's gemma4_assistant)
+        defaults = cls(**fixups).to_dict()
+    kw = _shrunk(defaults)
+    # text sub-configs built from their own full-size defaults (t5gemma's encoder/decoder, dbrx's attn/ffn)
+    subs = {}
+    for name, sub_cls in (getattr(cls, "sub_configs", None) or {}).items():
+        if isinstance(defaults.get(name), dict) and name not in fixups:
+            with contextlib.suppress(Exception):
+                sub = sub_cls().to_dict()
+                sub.pop("layer_types", None)  # per-layer lists of the full depth: derived again from the 2 layers
+                subs[name] = {**sub, **_shrunk(sub)}
+    try:
+        return cls(**{**kw, **subs, **fixups})
+    except Exception:  # sub-configs that do not shrink on their own (moshi's audio vocabulary): left full size
+        return cls(**{**kw, **fixups})
 
 
 def _model_class(model_type: str, config):
@@ -211,18 +261,19 @@ def _output(model, inputs):
     return out.logits
 
 
-def _forward_backward(model, inputs, mask, config, backward: bool, forward_context=contextlib.nullcontext()):
+def _forward_backward(model, inputs, mask, backward: bool, forward_context=contextlib.nullcontext()):
     """Valid-position outputs of one forward (inside ``forward_context``), then a backward of a scalar loss."""
     with forward_context:
-        out = _valid(_output(model, inputs), mask, config)
+        out = _valid(_output(model, inputs), mask, inputs)
     if backward:
         out.float().pow(2).mean().backward()
     return out
 
 
-def _valid(logits, mask, config):
-    if logits.dim() == 3 and logits.shape[1] == SEQ and not getattr(config, "is_encoder_decoder", False):
-        return logits[mask]
+def _valid(logits, mask, inputs):
+    """Logits of real tokens: padded positions differ by design (flash leaves them at zero)."""
+    if logits.dim() == 3 and logits.shape[1] == SEQ and "decoder_input_ids" not in inputs:
+        return logits[mask]  # a decoder-only head of an encoder-decoder type too (PegasusForCausalLM)
     return logits  # sequence classification / decoder logits: every position is valid
 
 
@@ -292,6 +343,25 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}"[:200]
 
 
+def _reason(e: BaseException) -> str:
+    """An UnsupportedModelError's reason, without the boilerplate around it (the table's detail)."""
+    found = re.search(r"attn_implementation='hf_flash': (.*?)\. hf_flash runs every", str(e), re.S)
+    return found.group(1)[:600] if found else _first_line(e)
+
+
+def _load_refusal(model_type: str, config) -> Optional[str]:
+    """The UnsupportedModelError reason if loading with hf_flash refuses, else None."""
+    from hf_flash.patches import UnsupportedModelError
+
+    try:
+        build(model_type, copy.deepcopy(config), "hf_flash")
+    except UnsupportedModelError as e:
+        return _reason(e)
+    except Exception:
+        pass
+    return None
+
+
 def run_one(model_type: str, backward: bool = True) -> Result:
     import hf_flash  # noqa: F401  (registers the name)
     from hf_flash.patches import UnsupportedModelError
@@ -313,13 +383,14 @@ def run_one(model_type: str, backward: bool = True) -> Result:
         eager = build(model_type, config, "eager").train(False)
         inputs, mask = _inputs(eager, config)
         eager.zero_grad()
-        out_e = _forward_backward(eager, inputs, mask, config, backward)
+        out_e = _forward_backward(eager, inputs, mask, backward)
     except Exception as e:
-        return result("untestable", f"eager: {_first_line(e)}")
+        refusal = _load_refusal(model_type, config)  # a clear refusal at load needs no eager reference
+        return result("refusal", refusal) if refusal else result("untestable", f"eager: {_first_line(e)}")
     try:
         model = build(model_type, config, "hf_flash").train(False)
     except UnsupportedModelError as e:
-        return result("refusal", _first_line(e))
+        return result("refusal", _reason(e))
     except Exception as e:
         if "hf_flash" in str(e):  # the model itself refuses our name at load, with a clear message
             return result("refusal", _first_line(e))
@@ -334,7 +405,7 @@ def run_one(model_type: str, backward: bool = True) -> Result:
     spy = _ScoreSoftmaxSpy()
     try:
         with _count_kernel_calls() as calls:
-            out_f = _forward_backward(model, inputs, mask, config, backward, forward_context=spy)
+            out_f = _forward_backward(model, inputs, mask, backward, forward_context=spy)
     except Exception as e:
         return result("crash", f"forward/backward: {_first_line(e)}")
     finally:

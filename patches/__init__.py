@@ -4,9 +4,12 @@ Installed as ``hf_flash.patches``. Most transformers text models call the
 function registered for ``config._attn_implementation`` and run on hf_flash
 as is. Older families compute attention themselves: some fail at load with a
 ``KeyError`` (gpt_neo, gptj, falcon), some crash on our padding mask, some
-silently run eager math. Each module here rebinds one family's attention so
-it runs on hf_flash kernels; ``MODEL_TYPE_TO_PATCH`` maps ``config.model_type``
-to its ``apply_hf_flash_to_<type>(model=None)`` function (Liger's pattern).
+silently run eager math; a few call the interface but rely on eager's 4-D
+mask for something flash attention takes elsewhere (nllb-moe's causality and
+router padding, t5gemma's bidirectional window). Each module here fixes one
+family so it runs on hf_flash kernels; ``MODEL_TYPE_TO_PATCH`` maps
+``config.model_type`` to its ``apply_hf_flash_to_<module>(model=None)``
+function (Liger's pattern).
 
 When it happens:
 
@@ -36,7 +39,7 @@ from ._common import NAME, uses_hf_flash
 
 MAX_HEAD_DIM = 256  # hf_flash.interface.MAX_HEAD_DIM (not imported: this package loads before torch ops)
 
-# model_type -> patch module in this package; each defines apply_hf_flash_to_<model_type>(model=None)
+# model_type -> patch module in this package; each defines apply_hf_flash_to_<module>(model=None)
 PATCH_MODULES = {
     "bloom": "bloom",
     "codegen": "codegen",
@@ -45,32 +48,56 @@ PATCH_MODULES = {
     "gpt_neox_japanese": "gpt_neox_japanese",
     "gptj": "gptj",
     "mpt": "mpt",
+    "nllb-moe": "nllb_moe",
+    "roformer": "roformer",
+    "t5gemma": "t5gemma",
     "xglm": "xglm",
 }
 
 # Types that use transformers' attention interface but still cannot run on hf_flash, with the reason.
 _SINKS = "its attention uses learned sinks (s_aux), which hf_flash does not implement"
 _BIAS = "it adds a learned relative position bias to the scores, which a 2-D flash padding mask cannot carry"
-_UNDIAGNOSED = "its outputs differ from eager in the coverage sweep (cause not diagnosed yet)"
 _MASK = "it builds custom 4-D attention masks that flash attention cannot express"
 _BIAS_SINKS = ("its attention call adds a learned relative position bias and per-token sinks (position_bias=, "
                "sinks=), which flash attention cannot carry")
-_DSA = ("its DeepSeek Sparse Attention indexer folds a per-query top-k key selection into a 4-D attention mask "
-        "(and indexes that mask directly), which flash attention cannot express")
-_ZERO_PAD = ("with a padded batch, flash attention leaves the padded positions' outputs at zero, and its AltUp "
-             "magnitude rescaling (sqrt of the mean square) has an infinite derivative at zero, so parameter "
-             "gradients become NaN (eager gives padded positions non-zero outputs; logits on real tokens match)")
+_DSA = ("its sparse-attention indexer (DeepSeek Sparse Attention, Qwen QSA) folds a per-query top-k key selection "
+        "into a 4-D attention mask (and indexes that mask directly), which flash attention cannot express")
+_DISENTANGLED = ("its disentangled attention adds content-to-position and position-to-content terms "
+                 "(query . relative-position key, key . relative-position query) to the scores, which flash "
+                 "attention cannot carry")
+_GLOBAL_LOCAL = ("its attention mixes a sliding window with global tokens that attend and are attended "
+                 "everywhere (chunked in its own code), which one flash attention call cannot express")
+_DRAFTER = ("it is a speculative-decoding drafter: every layer reads the target model's shared key/value cache "
+            "(num_kv_shared_layers = num_hidden_layers), and its Gemma 4 global layers use head_dim 512, above "
+            "hf_flash's maximum 256")
+_ZERO_PAD = ("with a padded batch, flash attention leaves the padded positions' outputs at zero; where the pad "
+             "token's embedding rows are zero too (nn.Embedding padding_idx, as in a freshly initialised model) "
+             "their hidden states stay exactly zero, and its AltUp magnitude (mean square ** 0.5, no epsilon) has an "
+             "infinite derivative there, so parameter gradients become NaN (eager gives padded positions non-zero "
+             "outputs; logits on real tokens match, and so do gradients when the pad rows are non-zero)")
 REFUSED: dict[str, str] = {
     "gpt_oss": _SINKS, "granite_swa": _SINKS, "granitemoe_swa": _SINKS, "deepseek_v4": _SINKS,
     "mimo_v2_flash": _SINKS,  # its sliding-window layers (it also pins flash kernels: patched at load)
     "t5": _BIAS, "mt5": _BIAS, "umt5": _BIAS, "longt5": _BIAS, "switch_transformers": _BIAS, "pop2piano": _BIAS,
-    "nllb-moe": _UNDIAGNOSED, "pegasus": _UNDIAGNOSED, "pegasus_x": _UNDIAGNOSED, "bigbird_pegasus": _UNDIAGNOSED,
+    "pegasus_x": ("its encoder runs block-local attention with global tokens in its own code "
+                  "(PegasusXGlobalLocalAttention: a block's queries see the global tokens and their own block), not "
+                  "through transformers' attention interface, and hf_flash has no patch for it yet"),
+    "bigbird_pegasus": ("its encoder computes attention in its own code (BigBirdPegasusSelfAttention, or block-sparse "
+                        "attention over random key blocks), not through transformers' attention interface; only "
+                        "the decoder would run on hf_flash"),
     "gemma4_text": "its global layers use head_dim 512, above hf_flash's maximum 256",
     "gemma4_unified_text": "its global layers use head_dim 512, above hf_flash's maximum 256",
-    "mobilebert": "its gradients differ from eager in the coverage sweep (logits match; cause not diagnosed yet)",
-    "deepseek_v32": _DSA, "glm_moe_dsa": _DSA, "axk2": _DSA, "dots3_note_text": _DSA,
+    "deepseek_v32": _DSA, "glm_moe_dsa": _DSA, "axk2": _DSA, "dots3_note_text": _DSA, "qwen4_exp_text": _DSA,
+    "gemma4_assistant": _DRAFTER, "gemma4_unified_assistant": _DRAFTER,
     "gemma3n_text": _ZERO_PAD,
     "doge": _MASK, "hy_v4": _MASK, "markuplm": _MASK,
+    # encoders that compute attention in their own code, with score terms flash attention cannot carry
+    "deberta": _DISENTANGLED, "deberta-v2": _DISENTANGLED,
+    "xlnet": ("its two-stream relative attention adds position (query . relative key) and segment terms to the "
+              "scores, which flash attention cannot carry"),
+    "longformer": _GLOBAL_LOCAL, "led": _GLOBAL_LOCAL,
+    "big_bird": ("its default block-sparse attention attends to random key blocks (plus global and window "
+                 "blocks), a pattern flash attention cannot express"),
     "inkling_text": _BIAS_SINKS, "inkling2_text": _BIAS_SINKS,
 }
 
@@ -80,9 +107,9 @@ class UnsupportedModelError(ValueError):
 
 
 def patch_function(model_type: str) -> Callable:
-    """The ``apply_hf_flash_to_<model_type>`` function for a type in the table."""
+    """The ``apply_hf_flash_to_<module>`` function for a type in the table."""
     module = importlib.import_module(f"{__name__}.{PATCH_MODULES[model_type]}")
-    return getattr(module, f"apply_hf_flash_to_{model_type}")
+    return getattr(module, f"apply_hf_flash_to_{PATCH_MODULES[model_type]}")
 
 
 class _LazyTable(dict):

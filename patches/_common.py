@@ -61,6 +61,27 @@ def _unpad(x, mask):
     return x.reshape(-1, *x.shape[2:]).index_select(0, idx), idx, cu, int(lengths.max())
 
 
+def cached_key_value(module, past_key_values, is_cross: bool, project: Callable):
+    """Keys and values of one attention call with transformers' cache (the legacy modules' cache logic).
+
+    Cross-attention reuses the encoder's keys/values once cached; otherwise ``project()`` returns the new
+    ``(key, value)``, which are appended to the (self- or cross-attention) cache."""
+    from transformers.cache_utils import EncoderDecoderCache
+
+    cache, is_updated = past_key_values, False
+    if isinstance(past_key_values, EncoderDecoderCache):
+        is_updated = past_key_values.is_updated.get(module.layer_idx)
+        cache = past_key_values.cross_attention_cache if is_cross else past_key_values.self_attention_cache
+    if is_cross and past_key_values is not None and is_updated:
+        return cache.layers[module.layer_idx].keys, cache.layers[module.layer_idx].values
+    key, value = project()
+    if past_key_values is not None:
+        key, value = cache.update(key, value, module.layer_idx)
+        if is_cross and isinstance(past_key_values, EncoderDecoderCache):
+            past_key_values.is_updated[module.layer_idx] = True
+    return key, value
+
+
 def dropout_p(module, attr: str = "attn_dropout") -> float:
     """The attention dropout a module applies in training (an nn.Dropout attribute or a float)."""
     if not module.training:

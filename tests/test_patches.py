@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf_flash  # noqa: E402
 from hf_flash import patches  # noqa: E402
-from hf_flash.coverage import build, tiny_config  # noqa: E402
+from hf_flash.coverage import _inputs, _leaf_attention_modules, _valid, build, tiny_config  # noqa: E402
 from hf_flash.patches import MODEL_TYPE_TO_PATCH, PATCH_MODULES, UnsupportedModelError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("model_type", sorted(PATCH_MODULES))
 def test_table_entry_importable_with_model_argument(model_type):
     fn = MODEL_TYPE_TO_PATCH[model_type]
-    assert fn.__name__ == f"apply_hf_flash_to_{model_type}"
+    assert fn.__name__ == f"apply_hf_flash_to_{PATCH_MODULES[model_type]}"
     params = inspect.signature(fn).parameters
     assert "model" in params and params["model"].default is None
     module = inspect.getmodule(fn)
@@ -52,23 +52,50 @@ def test_patch_keeps_state_dict_and_matches_eager(model_type, kernel_calls):
     config = tiny_config(model_type)
     eager = build(model_type, config, "eager").eval()
     keys = list(eager.state_dict())
-    ids = torch.randint(3, 100, (2, 9))
-    mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
-    expected = eager(input_ids=ids, attention_mask=mask).logits
+    inputs, valid = _inputs(eager, config)
+    expected = _valid(eager(**inputs).logits, valid, inputs)
     assert kernel_calls["fwd"] == 0
     assert hf_flash.patch(eager) is eager
     assert list(eager.state_dict()) == keys
-    actual = eager(input_ids=ids, attention_mask=mask).logits
-    assert kernel_calls["fwd"] == config.num_hidden_layers if hasattr(config, "num_hidden_layers") else kernel_calls["fwd"] > 0
-    valid = mask.bool()
-    torch.testing.assert_close(actual[valid], expected[valid], atol=5e-5, rtol=1e-4)
+    calls = []
+    hooks = [m.register_forward_hook(lambda *a: calls.append(1)) for m in _leaf_attention_modules(eager)]
+    actual = _valid(eager(**inputs).logits, valid, inputs)
+    for h in hooks:
+        h.remove()
+    assert kernel_calls["fwd"] == len(calls) > 0  # every attention call ran on the kernel
+    torch.testing.assert_close(actual, expected, atol=5e-5, rtol=1e-4)
     loaded = build(model_type, config, "hf_flash").eval()
     assert list(loaded.state_dict()) == keys
     loaded.load_state_dict(eager.state_dict())  # loaded with hf_flash (5.23+: gpt_neo/gptj/falcon's flash classes)
-    torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).logits[valid], expected[valid],
-                               atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(_valid(loaded(**inputs).logits, valid, inputs), expected, atol=5e-5, rtol=1e-4)
     # switching back to eager falls back to the class's own code
     eager.set_attn_implementation("eager") if model_type not in ("gpt_neo", "gptj", "falcon") else None
+
+
+@pytest.mark.parametrize("rotary_value", [False, True])
+def test_roformer_decoder_with_cross_attention_matches_eager(rotary_value, kernel_calls):
+    """RoFormer as a decoder over a padded encoder batch: rotary self-attention (values too) and cross-attention."""
+    config = tiny_config("roformer")
+    config.is_decoder = config.add_cross_attention = True
+    config.rotary_value = rotary_value
+    ids = torch.randint(3, 100, (2, 9))
+    mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
+    states = torch.randn(2, 7, config.hidden_size)
+    states_mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
+    results = []
+    for impl in ("eager", "hf_flash"):
+        torch.manual_seed(0)
+        model = transformers.RoFormerForCausalLM._from_config(copy.deepcopy(config), attn_implementation=impl)
+        out = model(input_ids=ids, attention_mask=mask, encoder_hidden_states=states,
+                    encoder_attention_mask=states_mask, use_cache=False).logits[mask.bool()]
+        out.pow(2).mean().backward()
+        results.append((out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    assert kernel_calls["fwd"] == 2 * config.num_hidden_layers  # self- and cross-attention in each layer
+    (out_e, grads_e), (out_f, grads_f) = results
+    torch.testing.assert_close(out_f, out_e, atol=5e-5, rtol=1e-4)
+    assert grads_e.keys() == grads_f.keys()
+    for name, grad in grads_e.items():
+        torch.testing.assert_close(grads_f[name], grad, atol=2e-4, rtol=2e-3, msg=name)
 
 
 def test_patch_on_peft_wrapped_model(kernel_calls):
