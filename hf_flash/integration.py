@@ -110,7 +110,10 @@ def _key_ranges(mask, query):
     count = valid.sum(-1, dtype=torch.int32)
     start = valid.int().argmax(-1).int()  # first one (0 for a row without any: count 0 makes it empty)
     end = start + count
-    bad = (valid[:, 1:] & ~valid[:, :-1]).sum(-1) + valid[:, 0] > 1  # more than one run of ones
+    # Where runs of ones begin. Every reduction here spans the whole mask: inductor (torch 2.11) asserts
+    # when it fuses split reductions of different lengths (a long static cache's S and S - 1).
+    rises = valid & ~torch.nn.functional.pad(valid[:, :-1], (1, 0))
+    bad = rises.sum(-1) > 1  # more than one run of ones
     if query.shape[2] > 1:  # the queries are the last positions of the mask: the run must end there
         bad |= end != valid.shape[-1]
     if capturing:
