@@ -158,16 +158,16 @@ def plot(rows: list[Row], path: str) -> None:
 def summary(rows: list[Row]) -> str:
     lines = [f"{'task':17} {'shape':8} {'backend':15} {'tok/s':>8} {'prefill ms':>10} {'peak GiB':>8} "
              f"{'vs hf_flash':>11}"]
-    ours = {(r.task, r.shape): r.tokens_per_s for r in rows if r.backend == "hf_flash"}
+    ours = {(r.task, r.shape): r.tokens_per_s for r in rows if r.backend == "hf_flash" and r.tokens_per_s > 0}
     for r in rows:
         base = ours.get((r.task, r.shape))
-        ratio = f"{r.tokens_per_s / base:11.2f}" if base and r.tokens_per_s == r.tokens_per_s else f"{'-':>11}"
+        ratio = f"{r.tokens_per_s / base:11.2f}" if base and r.tokens_per_s > 0 else f"{'-':>11}"
         lines.append(f"{r.task:17} {r.shape:8} {r.backend:15} {r.tokens_per_s:8.0f} {r.prefill_ms:10.1f} "
                      f"{r.peak_gib:8.1f} {ratio}" + (f"  ({r.error})" if r.error else ""))
     for (task, shape), tokens in ours.items():
         others = [r for r in rows if (r.task, r.shape) == (task, shape) and r.backend != "hf_flash"
-                  and r.tokens_per_s == r.tokens_per_s]
-        if others and tokens == tokens:
+                  and r.tokens_per_s > 0]
+        if others:
             best = max(others, key=lambda r: r.tokens_per_s)
             lines.append(f"{task} {shape}: hf_flash {tokens / best.tokens_per_s:.2f}x the best other ({best.backend})")
     return "\n".join(lines)
