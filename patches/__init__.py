@@ -47,6 +47,8 @@ PATCH_MODULES = {
     "gpt_neo": "gpt_neo",
     "gpt_neox_japanese": "gpt_neox_japanese",
     "gptj": "gptj",
+    "layoutlm": "extended_mask",
+    "markuplm": "extended_mask",
     "mpt": "mpt",
     "nllb-moe": "nllb_moe",
     "roformer": "roformer",
@@ -90,7 +92,7 @@ REFUSED: dict[str, str] = {
     "deepseek_v32": _DSA, "glm_moe_dsa": _DSA, "axk2": _DSA, "dots3_note_text": _DSA, "qwen4_exp_text": _DSA,
     "gemma4_assistant": _DRAFTER, "gemma4_unified_assistant": _DRAFTER,
     "gemma3n_text": _ZERO_PAD,
-    "doge": _MASK, "hy_v4": _MASK, "markuplm": _MASK,
+    "doge": _MASK, "hy_v4": _MASK,
     # encoders that compute attention in their own code, with score terms flash attention cannot carry
     "deberta": _DISENTANGLED, "deberta-v2": _DISENTANGLED,
     "xlnet": ("its two-stream relative attention adds position (query . relative key) and segment terms to the "

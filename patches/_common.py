@@ -82,6 +82,41 @@ def cached_key_value(module, past_key_values, is_cross: bool, project: Callable)
     return key, value
 
 
+def padding_mask_from_extended(mask):
+    """The 2-D ``(B, S)`` key-padding mask (True = token) of BERT's extended mask ``(B, 1, 1, S)``.
+
+    The extended mask is additive (0 for a token, a large negative number for padding) or bool (True = token);
+    None when nothing is padded. A per-query mask or an additive score bias raises: flash attention cannot
+    carry it."""
+    from hf_flash.integration import UnsupportedAttentionError
+
+    if mask is None or mask.dim() == 2:
+        return mask
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+        raise UnsupportedAttentionError(f"hf_flash patches take a (batch, 1, 1, keys) extended padding mask, "
+                                        f"got shape {tuple(mask.shape)}")
+    keys = mask[:, 0, 0, :]
+    valid = keys if keys.dtype == torch.bool else keys == 0
+    if keys.dtype != torch.bool and not bool((valid | (keys <= -1e4)).all()):
+        raise UnsupportedAttentionError("hf_flash patches take an additive padding mask of 0 and large negative "
+                                        "values; this one adds other values (a score bias) to the scores")
+    return None if bool(valid.all()) else valid
+
+
+def bind_padding_mask(model: torch.nn.Module, attention_cls: type, config) -> int:
+    """Encoders that build BERT's extended mask themselves, whatever the implementation: every
+    ``attention_cls(hidden_states, attention_mask, **kwargs)`` gets the 2-D padding mask instead and is
+    marked bidirectional (such modules have no ``is_causal``, which the flash path reads as causal)."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        return attention_cls.forward(self, hidden_states, padding_mask_from_extended(attention_mask), **kwargs)
+
+    for module in model.modules():
+        if isinstance(module, attention_cls):
+            module.is_causal = False
+    return bind_all(model, attention_cls, "forward", forward, config)
+
+
 def dropout_p(module, attr: str = "attn_dropout") -> float:
     """The attention dropout a module applies in training (an nn.Dropout attribute or a float)."""
     if not module.training:

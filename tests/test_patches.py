@@ -30,7 +30,8 @@ def test_table_entry_importable_with_model_argument(model_type):
     assert "model" in params and params["model"].default is None
     module = inspect.getmodule(fn)
     assert module.__name__ == f"hf_flash.patches.{PATCH_MODULES[model_type]}"
-    __import__(module.MODULE)  # the transformers module it patches exists in this version
+    for name in getattr(module, "MODULES", (getattr(module, "MODULE", None),)):
+        __import__(name)  # the transformers modules it patches exist in this version
 
 
 def test_every_patch_module_is_in_the_table():
@@ -164,3 +165,20 @@ def test_sink_and_bias_models_refuse_at_load():
             continue
         with pytest.raises(UnsupportedModelError, match=f"'{model_type}'.*(sinks|position bias)"):
             build(model_type, config, "hf_flash")
+
+
+def test_extended_padding_mask_becomes_2d_or_refuses():
+    """BERT's extended mask (layoutlm, markuplm) converts to the 2-D padding mask; anything else raises."""
+    from hf_flash.integration import UnsupportedAttentionError
+    from hf_flash.patches._common import padding_mask_from_extended
+
+    valid = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+    for big_negative in (torch.finfo(torch.float32).min, -10000.0):
+        additive = (~valid)[:, None, None, :].float() * big_negative
+        assert torch.equal(padding_mask_from_extended(additive), valid)
+    assert torch.equal(padding_mask_from_extended(valid[:, None, None, :]), valid)
+    assert padding_mask_from_extended(torch.zeros(2, 1, 1, 5)) is None
+    with pytest.raises(UnsupportedAttentionError, match="score bias"):
+        padding_mask_from_extended(torch.randn(2, 1, 1, 5))
+    with pytest.raises(UnsupportedAttentionError, match="extended padding mask"):
+        padding_mask_from_extended(torch.zeros(2, 1, 5, 5))
