@@ -246,7 +246,7 @@ GPU_MODELS = {  # head dims the kernels compile, windows and softcap that bite a
 def _gpu_model(name: str, dtype):
     config = getattr(transformers, {"llama": "LlamaConfig", "mistral": "MistralConfig", "gemma2": "Gemma2Config"}[name])(
         vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=256, initializer_range=0.05, pad_token_id=0,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=16384, initializer_range=0.05, pad_token_id=0,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **GPU_MODELS[name])
     model_cls = getattr(transformers, {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                        "gemma2": "Gemma2ForCausalLM"}[name])
@@ -254,11 +254,11 @@ def _gpu_model(name: str, dtype):
     return model_cls._from_config(config, attn_implementation="hf_flash", dtype=dtype).cuda().eval()
 
 
-def _gpu_prompts():
+def _gpu_prompts(batch: int = 4, length: int = 40):
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 512, (4, 40), generator=g)
+    ids = torch.randint(3, 512, (batch, length), generator=g)
     mask = torch.ones_like(ids)
-    for row, pad in enumerate((0, 5, 17, 39)):  # the last row has a single token
+    for row, pad in enumerate((0, 5, 17, 39)[:batch]):  # with 4 rows of 40, the last has a single token
         mask[row, :pad] = 0
     return ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()
 
@@ -298,12 +298,13 @@ def test_gpu_greedy_generate(name, cache, paths):
 
 
 @pytest.mark.gpu
-def test_gpu_static_cache_compiled_decode(paths):
+@pytest.mark.parametrize("batch,length", [(4, 40), (1, 8192)])  # a long cache: inductor splits the mask reductions
+def test_gpu_static_cache_compiled_decode(batch, length, paths):
     """transformers compiles the decode step of a static cache (mode reduce-overhead): our ops must
     not break the graph, nor keep CUDA graphs from being used, and the tokens stay greedy."""
     from torch._dynamo.utils import counters
 
-    ids, mask = _gpu_prompts()
+    ids, mask = _gpu_prompts(batch, length)
     model = _gpu_model("llama", torch.float16)
     torch._dynamo.reset()
     counters.clear()
