@@ -1,7 +1,7 @@
 #!/bin/bash
 # The whole product on one GPU machine: build, every GPU test, the demo, the
 # convergence example, kernel and end-to-end benchmarks. Pick stages with
-#   STAGES="build test demo converge kernels e2e" bash scripts/device_all.sh
+#   STAGES="build test demo converge kernels decode generate e2e profile" bash scripts/device_all.sh
 # (a warm machine keeps the build); STAGES="build multigpu" on a machine with
 # 2+ GPUs. Logs and CSV/PNG go to $OUT (or out/).
 # Needs .data/tinyshakespeare.txt and the .whl wheels (datasets) carried along.
@@ -42,6 +42,14 @@ fi
 if has e2e; then
   timeout 500 python3 -m hf_flash.bench e2e --out "$OUT/bench" 2>&1 | tr '\r' '\n' | grep -v "e2e:" \
     | tee "$OUT/e2e.log" | tail -20
+fi
+if has decode; then
+  timeout 300 python3 -m hf_flash.bench decode --out "$OUT/bench" 2>&1 | tr '\r' '\n' | grep -v "decode:" \
+    | tee "$OUT/decode.log" | tail -20
+fi
+if has generate; then
+  timeout 500 python3 -m hf_flash.bench generate --out "$OUT/bench" 2>&1 | tr '\r' '\n' | grep -v "generate:" \
+    | tee "$OUT/generate.log" | tail -20
 fi
 if has profile; then  # top CUDA kernels of a training step, hf_flash next to sdpa
   timeout 300 python3 scripts/e2e_profile.py > "$OUT/e2e_profile.txt" 2>&1; grep "^== " "$OUT/e2e_profile.txt"
