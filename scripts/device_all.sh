@@ -51,8 +51,10 @@ if has generate; then
   timeout 500 python3 -m hf_flash.bench generate --out "$OUT/bench" 2>&1 | tr '\r' '\n' | grep -v "generate:" \
     | tee "$OUT/generate.log" | tail -20
 fi
-if has profile; then  # top CUDA kernels of a training step, hf_flash next to sdpa
+if has profile; then  # top CUDA kernels of a training step and of a long-prompt generate, hf_flash next to sdpa
   timeout 300 python3 scripts/e2e_profile.py > "$OUT/e2e_profile.txt" 2>&1; grep "^== " "$OUT/e2e_profile.txt"
+  timeout 300 python3 scripts/e2e_profile.py --generate 1x16384 > "$OUT/generate_profile.txt" 2>&1
+  grep "^== " "$OUT/generate_profile.txt"
 fi
 if has multigpu; then  # one GPU vs data parallel on two at the same global batch (NCCL NVLink multicast stays off)
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
