@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,6 +23,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 import hf_flash  # noqa: E402,F401  (registers "hf_flash")
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+from finetune_trainer import pad_collator  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -44,16 +48,7 @@ def speeches() -> tuple[list[int], ...]:
     return tuple(list(b.encode("utf-8")[:MAX_LEN]) for b in blocks)
 
 
-def pad_collate(features):
-    """Right padding; labels -100 on pads (the model shifts labels itself)."""
-    width = max(len(f["input_ids"]) for f in features)
-    ids = torch.full((len(features), width), PAD)
-    mask = torch.zeros_like(ids)
-    for row, f in enumerate(features):
-        ids[row, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
-        mask[row, : len(f["input_ids"])] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-
+pad_collate = pad_collator(PAD)  # right padding, labels -100 on pads: the example's collator
 
 COLLATORS = {"padded": pad_collate, "packed": transformers.DataCollatorWithFlattening()}
 
