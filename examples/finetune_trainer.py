@@ -169,3 +169,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # a process group left to interpreter teardown can abort there (gloo)
+        torch.distributed.destroy_process_group()
