@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from . import interface
+from . import interface, ops
 
 logger = logging.getLogger("hf_flash")
 
@@ -43,8 +43,6 @@ class UnsupportedAttentionError(ValueError):
 
 def attention_forward(module, query, key, value, attention_mask, **kwargs):
     """The function transformers calls for every attention layer (AttentionInterface)."""
-    from transformers.integrations.flash_attention import flash_attention_forward
-
     if kwargs.get("s_aux") is not None:
         raise UnsupportedAttentionError(
             f"hf_flash does not support attention sinks (s_aux), used by {type(module).__name__}; "
@@ -70,20 +68,27 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
         ranges = _key_ranges(attention_mask, query)
         if ranges is not None:
             return _decode(query, key, value, *ranges, kwargs), None
+    from transformers.integrations.flash_attention import flash_attention_forward
+
     return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def _is_decode_step(module, query, key, value, mask, kwargs) -> bool:
     """A few new queries against a KV cache, inference only, no packing (varlen kwargs) and no paged cache."""
-    from transformers.integrations.flash_attention import get_target_dtype
-
     q_len, kv_len = query.shape[2], key.shape[2]
     grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     return (q_len <= DECODE_MAX_QUERY and (kv_len > q_len or (mask is not None and mask.shape[-1] < kv_len))
             and (mask is None or mask.shape[-1] <= kv_len) and not grad and not kwargs.get("dropout")
             and all(kwargs.get(name) is None for name in ("cache", "cu_seq_lens_q", "cu_seq_lens_k"))
             and query.dtype == key.dtype == value.dtype and query.shape[-1] == key.shape[-1] == value.shape[-1]
-            and get_target_dtype(query, module) in (None, query.dtype))
+            and (query.dtype != torch.float32 or _target_dtype(query, module) == torch.float32))
+
+
+def _target_dtype(query, module):
+    """The dtype transformers' wrapper would cast float32 inputs to (autocast, quantized or 16-bit weights)."""
+    from transformers.integrations.flash_attention import get_target_dtype
+
+    return get_target_dtype(query, module)
 
 
 def _capturing(t) -> bool:
@@ -133,15 +138,18 @@ def _log_once(message: str) -> None:
 
 
 def _decode(query, key, value, start, end, bad, kwargs):
-    """flash_attn_with_kvcache on (B, S, H, D) transposed views of the (B, H, S, D) cache: no copy."""
+    """flash_attn_with_kvcache's op on (B, S, H, D) transposed views of the (B, H, S, D) cache: no copy.
+    The public function's argument checks are skipped: _is_decode_step and _key_ranges built consistent
+    arguments, and a decode step's host time is what generation speed is made of."""
     b, kv_len = query.shape[0], key.shape[2]
     if end is None:
         end = torch.full((b,), kv_len, dtype=torch.int32, device=query.device)
     window = kwargs.get("sliding_window")
-    out = interface.flash_attn_with_kvcache(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), cache_seqlens=end, cache_leftpad=start,
-        softmax_scale=kwargs.get("scaling"), causal=True, window_size=(-1, -1) if window is None else (window - 1, 0),
-        softcap=kwargs.get("softcap") or 0.0)
+    scale = kwargs.get("scaling")
+    out, _ = ops.run_fwd_kvcache(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), end, start,
+        query.shape[-1] ** -0.5 if scale is None else float(scale), True, -1 if window is None else window - 1, 0,
+        float(kwargs.get("softcap") or 0.0), None, 0)
     return out if bad is None else out.masked_fill(bad[:, None, None, None], float("nan"))
 
 

@@ -220,6 +220,6 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         v_cache.index_put_((rows, pos), v)
         seqlens = seqlens + s_new
     with torch.no_grad():
-        out, lse = ops.fwd_kvcache(q, k_cache, v_cache, seqlens, cache_leftpad, _scale(q, softmax_scale),
-                                   bool(causal), window[0], window[1], float(softcap), alibi_slopes, num_splits)
+        out, lse = ops.run_fwd_kvcache(q, k_cache, v_cache, seqlens, cache_leftpad, _scale(q, softmax_scale),
+                                       bool(causal), window[0], window[1], float(softcap), alibi_slopes, num_splits)
     return (out, lse) if return_softmax_lse else out

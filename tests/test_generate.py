@@ -1,4 +1,4 @@
-"""Generation through hf_flash: decode steps call flash_attn_with_kvcache on transformers' own cache.
+"""Generation through hf_flash: decode steps run the KV-cache op on transformers' own cache.
 
 CPU tests (tiny random-init fp32 models from test_transformers.py): greedy tokens identical to eager
 for dynamic and static caches with left padding, sliding windows and softcap; the decode path is taken
@@ -20,18 +20,18 @@ transformers = pytest.importorskip("transformers")
 
 from test_transformers import CAUSAL, LAYERS, LENGTHS, SEQ, build, data, padding_mask  # noqa: E402
 
-from hf_flash import integration, interface  # noqa: E402
+from hf_flash import integration, ops  # noqa: E402
 
 NEW = 8  # new tokens: with SEQ = 12 and WINDOW = 4, sliding caches are full from the first step
 
 
 @pytest.fixture
 def paths(monkeypatch):
-    """Counts decode-path calls (flash_attn_with_kvcache) and transformers' unpadding, by query length."""
+    """Counts decode-path calls (the KV-cache op) and transformers' unpadding, by query length."""
     from transformers import modeling_flash_attention_utils as mfau
 
     seen = {"kvcache": 0, "unpad_q_lens": [], "mask_shapes": []}
-    kvcache, upad, key_ranges = interface.flash_attn_with_kvcache, mfau._upad_input, integration._key_ranges
+    kvcache, upad, key_ranges = ops.run_fwd_kvcache, mfau._upad_input, integration._key_ranges
 
     def spy_kvcache(*args, **kwargs):
         seen["kvcache"] += 1
@@ -45,7 +45,7 @@ def paths(monkeypatch):
         seen["mask_shapes"].append((query.shape[2], None if mask is None else tuple(mask.shape)))
         return key_ranges(mask, query)
 
-    monkeypatch.setattr(interface, "flash_attn_with_kvcache", spy_kvcache)
+    monkeypatch.setattr(ops, "run_fwd_kvcache", spy_kvcache)
     monkeypatch.setattr(mfau, "_upad_input", spy_upad)
     monkeypatch.setattr(integration, "_key_ranges", spy_key_ranges)
     return seen
