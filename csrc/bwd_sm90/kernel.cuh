@@ -127,20 +127,20 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     const float* lse2 = s_lse + st * kBlockM;
     const float* dsum_scaled = s_dsum + st * kBlockM;
 
-    // S^T = K Q^T and dP^T = V dO^T over d, K-major operands; k16 steps walk the 128-byte rows in 32 bytes.
+    // S^T = K Q^T and dP^T = V dO^T over d (this warpgroup's 64 key rows of K / V, all query rows of Q / dO),
+    // K-major operands: k16 steps walk the 128-byte panel rows in 32 bytes; one commit group each.
+    auto gemm_keys = [&](uint32_t sKeys, uint32_t sQueries, auto& acc) {
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const uint32_t a = (kk / 4) * kBlockN * 128 + wg * 64 * 128 + kk % 4 * 32;
+        const uint32_t bq = (kk / 4) * kBlockM * 128 + kk % 4 * 32;
+        sm90::mma_ss<kBlockM, kIsBf16, 0, 0>(acc, sm90::desc(sKeys + a, 16), sm90::desc(sQueries + bq, 16), kk > 0);
+      }
+      sm90::commit();
+    };
     sm90::fence();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      const uint32_t a = (kk / 4) * kBlockN * 128 + wg * 64 * 128 + kk % 4 * 32, bq = (kk / 4) * kBlockM * 128 + kk % 4 * 32;
-      sm90::mma_ss<kBlockM, kIsBf16, 0, 0>(s, sm90::desc(sK + a, 16), sm90::desc(sQ + bq, 16), kk > 0);
-    }
-    sm90::commit();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      const uint32_t a = (kk / 4) * kBlockN * 128 + wg * 64 * 128 + kk % 4 * 32, bq = (kk / 4) * kBlockM * 128 + kk % 4 * 32;
-      sm90::mma_ss<kBlockM, kIsBf16, 0, 0>(dp, sm90::desc(sV + a, 16), sm90::desc(sDO + bq, 16), kk > 0);
-    }
-    sm90::commit();
+    gemm_keys(sK, sQ, s);
+    gemm_keys(sV, sDO, dp);
 
     // P^T (masked: causal diagonal, sequence ends) into the A fragments of dV += P^T dO.
     sm90::wait<1>();
