@@ -107,7 +107,9 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
     p.dropout_threshold = uint32_t(std::min(dropout_p * 4294967296.0, 4294967295.0));
   }
   p.is_bf16 = q.scalar_type() == at::kBFloat16;
-  p.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  p.num_sms = props->multiProcessorCount;
+  p.arch = props->major * 10 + props->minor;
 }
 
 void check_arch() {

@@ -65,6 +65,7 @@ struct FwdParams {
 
   bool is_bf16;       // else fp16
   int num_sms;        // of the current device, for split / persistent heuristics
+  int arch;           // its compute capability, major * 10 + minor (picks Hopper kernels on 90)
 
   // Split-KV decode: each row's visible keys are cut into num_splits ranges; with num_splits > 1 every
   // range writes fp32 partials, o_accum (num_splits, b, h, seqlen_q, d) normalised by its own sum and

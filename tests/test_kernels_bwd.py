@@ -165,3 +165,35 @@ def test_compile_fwd_bwd():
     reference.naive_attention(*f32, causal=True).backward(dout.float())
     same = _torch_grads(q, k, v, dout, causal=True)
     _check(ours, [t.grad for t in f32], same)
+
+
+# Longer sequences at the head dims of the Hopper kernel (csrc/bwd_sm90, d64/d128, causal or not): several key
+# blocks, many query blocks per key block, the GQA head loop, fully masked rows (sq > sk, causal).
+LONG_CASES = [(1000, 1000, 4, 4, True), (517, 1100, 4, 1, False), (1100, 517, 6, 2, True), (64, 2000, 2, 2, True)]
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("case", LONG_CASES, ids=lambda c: f"sq{c[0]}-sk{c[1]}-h{c[2]}/{c[3]}-causal{int(c[4])}")
+def test_grads_long(d, dtype, case):
+    sq, sk, h, hk, causal = case
+    _check(*_dense_case(1, sq, sk, h, hk, d, dtype, causal, (-1, -1), 0.0, False))
+
+
+def _bwd_kernel_names(args):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.ops.hf_flash._cuda_bwd(*args, False)
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
+def test_sm90_kernel_selected(d, causal, monkeypatch):
+    """On CC 9.0 the wgmma kernel runs the supported cases; HF_FLASH_DISABLE_SM90=1 switches back to csrc/bwd."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward kernel runs on compute capability 9.0 only")
+    args = _bwd_args(1, 300, 4, 2, d, causal)
+    assert any("bwd_sm90::main_kernel" in name for name in _bwd_kernel_names(args))
+    monkeypatch.setenv("HF_FLASH_DISABLE_SM90", "1")
+    names = _bwd_kernel_names(args)
+    assert not any("bwd_sm90" in name for name in names) and any("bwd::main_kernel" in name for name in names)

@@ -132,16 +132,26 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::T* g
   }
 }
 
-// The start of a key block, shared by both main kernels: K and V into smem (one cp.async group) and the
-// query blocks [m_begin, m_begin + m_count) whose rows see at least one of its keys.
+// Key block n0 and the query blocks of kBlockM rows [m_begin, m_begin + m_count) that see at least one key.
 struct KeyBlock {
   int n0, m_begin, m_count;
 };
+template <int kBlockN, int kBlockM>
+__device__ __forceinline__ KeyBlock query_blocks(const BwdParams& p, const Seq& seq, int n0) {
+  const int off = seq.sk - seq.sq;  // diagonal (bottom-right alignment)
+  int m_lo = 0, m_hi = seq.sq;
+  if (p.window_right >= 0) m_lo = max(0, n0 - off - p.window_right);
+  if (p.window_left >= 0) m_hi = min(seq.sq, n0 + kBlockN - off + p.window_left);
+  const int m_begin = m_lo / kBlockM;
+  return {n0, m_begin, m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0};
+}
+// The start of a key block, shared by the sm80 main kernels: K and V into smem (one cp.async group) and its
+// query blocks.
 template <class Tr>
 __device__ __forceinline__ KeyBlock begin_key_block(const BwdParams& p, const Seq& seq, int b, int hk, int n_block,
                                                     uint32_t sK, uint32_t sV) {
   using T = typename Tr::T;
-  const int n0 = n_block * Tr::kBlockN, off = seq.sk - seq.sq;  // off: diagonal (bottom-right alignment)
+  const int n0 = n_block * Tr::kBlockN;
   const T* k = static_cast<const T*>(p.k) + p.k_batch_stride * b + int64_t(seq.k0 + n0) * p.k_row_stride +
                hk * p.k_head_stride;
   const T* v = static_cast<const T*>(p.v) + p.v_batch_stride * b + int64_t(seq.k0 + n0) * p.v_row_stride +
@@ -149,11 +159,7 @@ __device__ __forceinline__ KeyBlock begin_key_block(const BwdParams& p, const Se
   load_tile<Tr, Tr::kBlockN>(sK, k, p.k_row_stride, seq.sk - n0);
   load_tile<Tr, Tr::kBlockN>(sV, v, p.v_row_stride, seq.sk - n0);
   tile::cp_async_commit();
-  int m_lo = 0, m_hi = seq.sq;
-  if (p.window_right >= 0) m_lo = max(0, n0 - off - p.window_right);
-  if (p.window_left >= 0) m_hi = min(seq.sq, n0 + Tr::kBlockN - off + p.window_left);
-  const int m_begin = m_lo / Tr::kBlockM;
-  return {n0, m_begin, m_hi > m_lo ? (m_hi + Tr::kBlockM - 1) / Tr::kBlockM - m_begin : 0};
+  return query_blocks<Tr::kBlockN, Tr::kBlockM>(p, seq, n0);
 }
 
 // Row `key` of dK (is_dv false) or dV from this thread's accumulator rows (g or g + 8 by h2), columns

@@ -1,8 +1,10 @@
 // run_bwd_hdim: D = rowsum(dO * O) and zeroed dQ accumulators, the main
-// kernel, then the dQ conversion; one stream, no host synchronisation.
+// kernel (Hopper wgmma where bwd_sm90::supported, else mma.sync), then the dQ
+// conversion; one stream, no host synchronisation.
 #pragma once
 #include "bwd/kernel.cuh"
 #include "bwd/kernel_v1.cuh"
+#include "bwd_sm90/kernel.cuh"
 
 namespace hf_flash {
 namespace bwd {
@@ -35,7 +37,13 @@ cudaError_t run_bwd_hdim(const BwdParams& params, cudaStream_t stream) {
   bwd::dot_do_o_kernel<kIsBf16, kHeadDim>
       <<<(row_warps * kDotLanes + bwd::kThreads - 1) / bwd::kThreads, bwd::kThreads, 0, stream>>>(params, dsum);
 
-  if constexpr (kHeadDim <= 128) {
+  if (bwd_sm90::supported<kIsBf16, kHeadDim>(params)) {  // Hopper wgmma kernel for the cases it covers
+    if constexpr (kHeadDim == 64 || kHeadDim == 128) {
+      using Tr = bwd_sm90::Traits<kIsBf16, kHeadDim>;
+      err = bwd::launch_main(bwd_sm90::main_kernel<kIsBf16, kHeadDim>, Tr::kSmemBytes, params, copies, dsum, dq_acc,
+                             ws.dq_copy_floats, stream);
+    }
+  } else if constexpr (kHeadDim <= 128) {
     using Tr = bwd::Traits<kIsBf16, kHeadDim>;
     err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim>, Tr::kSmemBytes, params, copies, dsum, dq_acc,
                            ws.dq_copy_floats, stream);
