@@ -1,0 +1,202 @@
+// FlashAttention forward on Hopper warpgroup MMA (wgmma, sm_90a), for the plain cases (see
+// fwd_sm90_supports in run_fwd.cu); the mma.sync kernel in fwd/ covers the rest.
+//
+// One CTA owns kBlockM = 128 query rows of one (batch, head) and three warpgroups:
+//   producer  (24 registers): one thread issues TMA loads of Q once and of K / V per key block into a
+//             two-stage ring, each stage guarded by "full" mbarriers (TMA bytes landed) and an "empty"
+//             mbarrier (both consumers done with it);
+//   consumers (240 registers): 64 query rows each, one m64 wgmma tile. They walk the visible key blocks
+//             from the last to the first like fwd/kernel.cuh. Per key block:
+//     S = Q K^T   wgmma, Q and K from shared memory (both K-major)
+//     mask, online softmax in registers on the accumulator layout (the sm80 helpers: per warp the wgmma
+//                 accumulator is the mma.m16n8 C fragment repeated along N)
+//     O += P V    wgmma, P from registers (packed from S, no shuffles), V from shared memory (MN-major:
+//                 the descriptor's transpose bit reads V's rows as B's K dimension)
+// The consumers never wait for each other, so one's softmax overlaps the other's GEMMs.
+#pragma once
+#include <cmath>
+
+#include "flash.h"
+#include "fwd/kernel.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/wgmma.cuh"
+#include "tile.cuh"
+
+namespace hf_flash {
+namespace fwd_sm90 {
+
+template <bool kIsBf16_, int kHeadDim_>
+struct Traits {
+  static constexpr bool kIsBf16 = kIsBf16_;
+  using T = typename tile::Elem<kIsBf16>::T;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumers = 2;                  // warpgroups of 64 query rows
+  static constexpr int kThreads = (kConsumers + 1) * 128;  // + the producer warpgroup
+  static constexpr int kBlockM = kConsumers * 64;       // query rows per CTA
+  static constexpr int kBlockN = 128;                   // keys per main-loop step
+  static constexpr int kStages = 2;
+  // Per-warp view for the sm80 softmax helpers: one 16-row slab, n8 tiles of S and of O.
+  static constexpr int kMTiles = 1, kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 64K
+
+  // Shared memory: Q, then K and V of each stage (swizzled wgmma tiles), then the mbarriers.
+  static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
+  static constexpr int kSmemKV = kBlockN * kHeadDim * 2;
+  static constexpr int kBarriers = 1 + 3 * kStages;  // q_full, k_full[], v_full[], kv_empty[]
+  static constexpr int kSmemBytes = kSmemQ + kStages * 2 * kSmemKV + kBarriers * 8 + 1024;  // + 1024-alignment slack
+
+  static_assert(kHeadDim % 64 == 0, "whole 128-byte swizzle panels (one TMA box each)");
+};
+
+// TMA maps of q, k, v: dims (d, heads, rows, batch), boxes of 64 columns x one head x a tile of rows
+// (launch.cuh makes them; varlen tensors are one batch of total rows).
+struct TmaMaps {
+  CUtensorMap q, k, v;
+};
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TmaMaps maps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using T = typename Tr::T;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
+
+  extern __shared__ char smem[];
+  const uint32_t sQ = (tile::smem_u32(smem) + 1023) & ~1023u;  // swizzle panels start 1024-aligned
+  auto sK = [&](int stage) { return sQ + Tr::kSmemQ + stage * 2 * Tr::kSmemKV; };
+  auto sV = [&](int stage) { return sK(stage) + Tr::kSmemKV; };
+  const uint32_t q_full = sK(kStages);
+  auto k_full = [&](int stage) { return q_full + 8 * (1 + stage); };
+  auto v_full = [&](int stage) { return q_full + 8 * (1 + kStages + stage); };
+  auto kv_empty = [&](int stage) { return q_full + 8 * (1 + 2 * kStages + stage); };
+
+  // ---- this CTA's problem (as in fwd/kernel.cuh) ------------------------------------
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
+  const int seqlen_q = varlen ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
+  const int2 keys = fwd::key_range(p, batch);
+  const int k_start = keys.x, seqlen_k = keys.y;
+  const int m0 = m_block * kBlockM;
+  if (m0 >= seqlen_q) return;
+
+  const fwd::KeyWindow w(p, seqlen_q, seqlen_k);
+  const int m_last = min(m0 + kBlockM, seqlen_q) - 1;
+  const int n_begin = max(0, w.lo(m0));
+  const int n_end = w.hi(m_last) + 1;
+  const int n_block_min = n_begin / kBlockN;
+  const int n_block_max = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min;
+
+  if (threadIdx.x == 0) {
+    sm90::mbar_init(q_full, 1);
+    for (int stage = 0; stage < kStages; ++stage) {
+      sm90::mbar_init(k_full(stage), 1);
+      sm90::mbar_init(v_full(stage), 1);
+      sm90::mbar_init(kv_empty(stage), Tr::kConsumers * 128);
+    }
+    sm90::mbar_init_fence();
+  }
+  __syncthreads();
+
+  // ---- producer: one thread issues every TMA load ------------------------------------------
+  if (threadIdx.x < 128) {
+    sm90::regs_dealloc<Tr::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    // Varlen tensors are one batch of total rows; rows past a sequence are masked (K), multiply P = 0
+    // (V) or are not stored (Q); rows past the tensor read as zero.
+    const int tma_batch = varlen ? 0 : batch;
+    const int head_k = head / (p.h / p.h_k);
+    sm90::mbar_arrive_expect_tx(q_full, Tr::kSmemQ);
+    for (int panel = 0; panel < kHeadDim / 64; ++panel) {
+      sm90::tma_load_4d(sQ + panel * kBlockM * 128, &maps.q, q_full, panel * 64, head, q_start + m0, tma_batch);
+    }
+    for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
+      const int stage = it % kStages, row = k_start + n_block * kBlockN;
+      if (it >= kStages) sm90::mbar_wait(kv_empty(stage), (it / kStages - 1) & 1);
+      sm90::mbar_arrive_expect_tx(k_full(stage), Tr::kSmemKV);
+      for (int panel = 0; panel < kHeadDim / 64; ++panel) {
+        sm90::tma_load_4d(sK(stage) + panel * kBlockN * 128, &maps.k, k_full(stage), panel * 64, head_k, row, tma_batch);
+      }
+      sm90::mbar_arrive_expect_tx(v_full(stage), Tr::kSmemKV);
+      for (int panel = 0; panel < kHeadDim / 64; ++panel) {
+        sm90::tma_load_4d(sV(stage) + panel * kBlockN * 128, &maps.v, v_full(stage), panel * 64, head_k, row, tma_batch);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----------------------------------------------------------------------------
+  sm90::regs_alloc<Tr::kConsumerRegs>();
+  const int wg = threadIdx.x / 128 - 1, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;  // accumulator row / column pair within a warp's 16 x 8 tile
+  const float scale_log2 = p.softmax_scale_log2;
+  const int row0 = m0 + wg * 64 + warp * 16 + g;
+  auto row_of = [&](int, int half) { return row0 + half * 8; };
+
+  float o[1][Tr::kDTiles][4] = {};
+  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+  const uint64_t q_desc = sm90::desc_k_major(sQ + wg * 64 * 128);  // this warpgroup's 64 rows
+  sm90::mbar_wait(q_full, 0);
+
+  for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
+    const int n0 = n_block * kBlockN, stage = it % kStages, phase = (it / kStages) & 1;
+    float s[1][Tr::kNTiles][4];
+    const uint64_t k_desc = sm90::desc_k_major(sK(stage));
+    sm90::mbar_wait(k_full(stage), phase);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      sm90::wgmma_ss_n128<Tr::kIsBf16>(s[0], sm90::k_major_step<kBlockM>(q_desc, kk),
+                                       sm90::k_major_step<kBlockN>(k_desc, kk), kk > 0);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(s);
+
+    if (n0 < w.lo(m_last) || n0 + kBlockN - 1 > w.hi(m0)) fwd::apply_mask(s, w, n0, t, row_of);
+    fwd::online_softmax<Tr>(s, row_max, row_sum, o, scale_log2);
+    uint32_t p_frag[1][kBlockN / 16][4];
+    fwd::pack_p<Tr>(p_frag, s);
+
+    const uint64_t v_desc = sm90::desc_mn_major(sV(stage), kBlockN * 128);
+    sm90::mbar_wait(v_full(stage), phase);
+    sm90::fence_operands(o);
+    sm90::fence_operands(p_frag);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      sm90::wgmma_rs<Tr::kIsBf16, kHeadDim>(o[0], p_frag[0][kk], v_desc + ((kk * 16 * 128) >> 4), true);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(o);
+    sm90::fence_operands(p_frag);
+    sm90::mbar_arrive(kv_empty(stage));
+  }
+
+  // ---- epilogue: normalise, LSE, O straight from the accumulators ------------------------
+  float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
+  T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_start) * p.o_row_stride +
+           head * p.o_head_stride;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float l = tile::quad_sum(row_sum[0][half]);
+    const float inv = l == 0.f ? 0.f : 1.f / l;  // no visible key: O = 0, LSE = +inf
+    const int i = row_of(0, half);
+    if (i >= seqlen_q) continue;
+    if (t == 0) lse[i] = fwd::row_lse(row_max[0][half], l, scale_log2);
+    T* dst = out + int64_t(i) * p.o_row_stride + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+      *reinterpret_cast<uint32_t*>(dst + dt * 8) =
+          tile::pack2<Tr::kIsBf16>(o[0][dt][half * 2] * inv, o[0][dt][half * 2 + 1] * inv);
+    }
+  }
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __trap();  // compiled for sm_90 without the "a" features: run_fwd_sm90_hdim must not pick this build
+#endif
+}
+
+}  // namespace fwd_sm90
+}  // namespace hf_flash
