@@ -198,12 +198,12 @@ __device__ __forceinline__ void apply_softcap(float (&s)[kMTiles][kNTiles][4], f
       for (int e = 0; e < 4; ++e) s[mi][nt][e] = softcap * tile::fast_tanh(s[mi][nt][e] * softcap_in);
 }
 
-// Online softmax step on one key block of masked scores: P = exp2(S * scale_log2 - max) in place,
-// O and the row sums rescaled to the new row max.
+// Online softmax step on one key block of masked scores: P = exp2(S * scale_log2 - max) in place, the
+// row sums rescaled to the new row max; alpha = the factor O must be rescaled by.
 template <class Tr>
-__device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
-                                               float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
-                                               float (&o)[Tr::kMTiles][Tr::kDTiles][4], float scale_log2) {
+__device__ __forceinline__ void softmax_step(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
+                                             float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
+                                             float (&alpha)[Tr::kMTiles][2], float scale_log2) {
 #pragma unroll
   for (int mi = 0; mi < Tr::kMTiles; ++mi)
 #pragma unroll
@@ -213,7 +213,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTil
       for (int nt = 0; nt < Tr::kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][half * 2], s[mi][nt][half * 2 + 1]));
       mx = tile::quad_max(mx);
       const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;  // fully masked so far: P = 0, no NaN
-      const float alpha = tile::fast_exp2(row_max[mi][half] * scale_log2 - max_scaled);
+      alpha[mi][half] = tile::fast_exp2(row_max[mi][half] * scale_log2 - max_scaled);
       row_max[mi][half] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -223,13 +223,28 @@ __device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTil
           s[mi][nt][e] = tile::fast_exp2(fmaf(s[mi][nt][e], scale_log2, -max_scaled));
           sum += s[mi][nt][e];
         }
-      row_sum[mi][half] = row_sum[mi][half] * alpha + sum;
-#pragma unroll
-      for (int dt = 0; dt < Tr::kDTiles; ++dt) {
-        o[mi][dt][half * 2] *= alpha;
-        o[mi][dt][half * 2 + 1] *= alpha;
-      }
+      row_sum[mi][half] = row_sum[mi][half] * alpha[mi][half] + sum;
     }
+}
+
+template <class Tr>
+__device__ __forceinline__ void rescale_o(float (&o)[Tr::kMTiles][Tr::kDTiles][4], const float (&alpha)[Tr::kMTiles][2]) {
+#pragma unroll
+  for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+    for (int dt = 0; dt < Tr::kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mi][dt][e] *= alpha[mi][e / 2];
+}
+
+// softmax_step, then O rescaled.
+template <class Tr>
+__device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
+                                               float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
+                                               float (&o)[Tr::kMTiles][Tr::kDTiles][4], float scale_log2) {
+  float alpha[Tr::kMTiles][2];
+  softmax_step<Tr>(s, row_max, row_sum, alpha, scale_log2);
+  rescale_o<Tr>(o, alpha);
 }
 
 template <class Tr>

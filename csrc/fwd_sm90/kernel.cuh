@@ -2,9 +2,9 @@
 // fwd_sm90_supports in run_fwd.cu); the mma.sync kernel in fwd/ covers the rest.
 //
 // One CTA owns kBlockM = 128 query rows of one (batch, head) and three warpgroups:
-//   producer  (24 registers): one thread issues TMA loads of Q once and of K / V per key block into a
-//             two-stage ring, each stage guarded by "full" mbarriers (TMA bytes landed) and an "empty"
-//             mbarrier (both consumers done with it);
+//   producer  (24 registers): one thread issues TMA loads of Q once and of K / V per key block into
+//             two-stage rings, each stage guarded by a "full" mbarrier (TMA bytes landed) and an "empty"
+//             one (both consumers done with it);
 //   consumers (240 registers): 64 query rows each, one m64 wgmma tile. They walk the visible key blocks
 //             from the last to the first like fwd/kernel.cuh. Per key block:
 //     S = Q K^T   wgmma, Q and K from shared memory (both K-major)
@@ -12,7 +12,9 @@
 //                 accumulator is the mma.m16n8 C fragment repeated along N)
 //     O += P V    wgmma, P from registers (packed from S, no shuffles), V from shared memory (MN-major:
 //                 the descriptor's transpose bit reads V's rows as B's K dimension)
-// The consumers never wait for each other, so one's softmax overlaps the other's GEMMs.
+// Each consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together and runs the softmax of block j
+// while the second GEMM is in flight, rescaling O once it has landed. The consumers never wait for each
+// other, so one's softmax also overlaps the other's GEMMs.
 #pragma once
 #include <cmath>
 
@@ -37,12 +39,13 @@ struct Traits {
   static constexpr int kStages = 2;
   // Per-warp view for the sm80 softmax helpers: one 16-row slab, n8 tiles of S and of O.
   static constexpr int kMTiles = 1, kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 64K
+  // Registers per thread after setmaxnreg: 128 * 24 + kConsumers * 128 * kConsumerRegs <= 64K.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 2 ? 240 : 160;
 
   // Shared memory: Q, then K and V of each stage (swizzled wgmma tiles), then the mbarriers.
   static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
   static constexpr int kSmemKV = kBlockN * kHeadDim * 2;
-  static constexpr int kBarriers = 1 + 3 * kStages;  // q_full, k_full[], v_full[], kv_empty[]
+  static constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
   static constexpr int kSmemBytes = kSmemQ + kStages * 2 * kSmemKV + kBarriers * 8 + 1024;  // + 1024-alignment slack
 
   static_assert(kHeadDim % 64 == 0, "whole 128-byte swizzle panels (one TMA box each)");
@@ -68,7 +71,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const uint32_t q_full = sK(kStages);
   auto k_full = [&](int stage) { return q_full + 8 * (1 + stage); };
   auto v_full = [&](int stage) { return q_full + 8 * (1 + kStages + stage); };
-  auto kv_empty = [&](int stage) { return q_full + 8 * (1 + 2 * kStages + stage); };
+  auto k_empty = [&](int stage) { return q_full + 8 * (1 + 2 * kStages + stage); };
+  auto v_empty = [&](int stage) { return q_full + 8 * (1 + 3 * kStages + stage); };
 
   // ---- this CTA's problem (as in fwd/kernel.cuh) ------------------------------------
   const int m_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first
@@ -93,7 +97,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int stage = 0; stage < kStages; ++stage) {
       sm90::mbar_init(k_full(stage), 1);
       sm90::mbar_init(v_full(stage), 1);
-      sm90::mbar_init(kv_empty(stage), Tr::kConsumers * 128);
+      sm90::mbar_init(k_empty(stage), Tr::kConsumers * 128);
+      sm90::mbar_init(v_empty(stage), Tr::kConsumers * 128);
     }
     sm90::mbar_init_fence();
   }
@@ -112,12 +117,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::tma_load_4d(sQ + panel * kBlockM * 128, &maps.q, q_full, panel * 64, head, q_start + m0, tma_batch);
     }
     for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
-      const int stage = it % kStages, row = k_start + n_block * kBlockN;
-      if (it >= kStages) sm90::mbar_wait(kv_empty(stage), (it / kStages - 1) & 1);
+      const int stage = it % kStages, reuse_phase = (it / kStages - 1) & 1, row = k_start + n_block * kBlockN;
+      if (it >= kStages) sm90::mbar_wait(k_empty(stage), reuse_phase);
       sm90::mbar_arrive_expect_tx(k_full(stage), Tr::kSmemKV);
       for (int panel = 0; panel < kHeadDim / 64; ++panel) {
         sm90::tma_load_4d(sK(stage) + panel * kBlockN * 128, &maps.k, k_full(stage), panel * 64, head_k, row, tma_batch);
       }
+      if (it >= kStages) sm90::mbar_wait(v_empty(stage), reuse_phase);
       sm90::mbar_arrive_expect_tx(v_full(stage), Tr::kSmemKV);
       for (int panel = 0; panel < kHeadDim / 64; ++panel) {
         sm90::tma_load_4d(sV(stage) + panel * kBlockN * 128, &maps.v, v_full(stage), panel * 64, head_k, row, tma_batch);
@@ -135,44 +141,73 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   auto row_of = [&](int, int half) { return row0 + half * 8; };
 
   float o[1][Tr::kDTiles][4] = {};
-  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}}, alpha[1][2];
+  float s[1][Tr::kNTiles][4];
+  uint32_t p_frag[1][kBlockN / 16][4];
   const uint64_t q_desc = sm90::desc_k_major(sQ + wg * 64 * 128);  // this warpgroup's 64 rows
-  sm90::mbar_wait(q_full, 0);
-
-  for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
-    const int n0 = n_block * kBlockN, stage = it % kStages, phase = (it / kStages) & 1;
-    float s[1][Tr::kNTiles][4];
-    const uint64_t k_desc = sm90::desc_k_major(sK(stage));
-    sm90::mbar_wait(k_full(stage), phase);
-    sm90::wgmma_fence();
+  // Step `it` of the walk is key block n_block_max - 1 - it, in stage it % kStages.
+  auto stage_of = [](int it) { return it % kStages; };
+  auto phase_of = [](int it) { return (it / kStages) & 1; };
+  auto issue_qk = [&](int it) {  // S = Q K^T
+    sm90::mbar_wait(k_full(stage_of(it)), phase_of(it));
+    const uint64_t k_desc = sm90::desc_k_major(sK(stage_of(it)));
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       sm90::wgmma_ss_n128<Tr::kIsBf16>(s[0], sm90::k_major_step<kBlockM>(q_desc, kk),
                                        sm90::k_major_step<kBlockN>(k_desc, kk), kk > 0);
     }
     sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-    sm90::fence_operands(s);
-
-    if (n0 < w.lo(m_last) || n0 + kBlockN - 1 > w.hi(m0)) fwd::apply_mask(s, w, n0, t, row_of);
-    fwd::online_softmax<Tr>(s, row_max, row_sum, o, scale_log2);
-    uint32_t p_frag[1][kBlockN / 16][4];
-    fwd::pack_p<Tr>(p_frag, s);
-
-    const uint64_t v_desc = sm90::desc_mn_major(sV(stage), kBlockN * 128);
-    sm90::mbar_wait(v_full(stage), phase);
-    sm90::fence_operands(o);
-    sm90::fence_operands(p_frag);
-    sm90::wgmma_fence();
+  };
+  auto issue_pv = [&](int it) {  // O += P V
+    sm90::mbar_wait(v_full(stage_of(it)), phase_of(it));
+    const uint64_t v_desc = sm90::desc_mn_major(sV(stage_of(it)), kBlockN * 128);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       sm90::wgmma_rs<Tr::kIsBf16, kHeadDim>(o[0], p_frag[0][kk], v_desc + ((kk * 16 * 128) >> 4), true);
     }
     sm90::wgmma_commit();
+  };
+  auto softmax = [&](int it) {  // on S of step it, landed; alpha for O
+    const int n0 = (n_block_max - 1 - it) * kBlockN;
+    if (n0 < w.lo(m_last) || n0 + kBlockN - 1 > w.hi(m0)) fwd::apply_mask(s, w, n0, t, row_of);
+    fwd::softmax_step<Tr>(s, row_max, row_sum, alpha, scale_log2);
+  };
+
+  sm90::mbar_wait(q_full, 0);
+  const int steps = n_block_max - n_block_min;
+  if (steps > 0) {
+    sm90::wgmma_fence();
+    issue_qk(0);
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(s);
+    sm90::mbar_arrive(k_empty(stage_of(0)));
+    softmax(0);  // O is still 0: no rescale
+    fwd::pack_p<Tr>(p_frag, s);
+  }
+  for (int it = 1; it < steps; ++it) {
+    sm90::fence_operands(o);
+    sm90::fence_operands(p_frag);
+    sm90::wgmma_fence();
+    issue_qk(it);
+    issue_pv(it - 1);
+    sm90::wgmma_wait<1>();  // S landed; P V may still run
+    sm90::fence_operands(s);
+    sm90::mbar_arrive(k_empty(stage_of(it)));
+    softmax(it);
     sm90::wgmma_wait<0>();
     sm90::fence_operands(o);
     sm90::fence_operands(p_frag);
-    sm90::mbar_arrive(kv_empty(stage));
+    sm90::mbar_arrive(v_empty(stage_of(it - 1)));
+    fwd::rescale_o<Tr>(o, alpha);
+    fwd::pack_p<Tr>(p_frag, s);
+  }
+  if (steps > 0) {
+    sm90::fence_operands(o);
+    sm90::fence_operands(p_frag);
+    sm90::wgmma_fence();
+    issue_pv(steps - 1);
+    sm90::wgmma_wait<0>();
+    sm90::fence_operands(o);
   }
 
   // ---- epilogue: normalise, LSE, O straight from the accumulators ------------------------
