@@ -40,7 +40,7 @@ struct Traits {
   // Per-warp view for the sm80 softmax helpers: one 16-row slab, n8 tiles of S and of O.
   static constexpr int kMTiles = 1, kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
   // Registers per thread after setmaxnreg: 128 * 24 + kConsumers * 128 * kConsumerRegs <= 64K.
-  static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 
   // Shared memory: Q, then K and V of each stage (swizzled wgmma tiles), then the mbarriers.
   static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
