@@ -12,9 +12,10 @@
 //                 accumulator is the mma.m16n8 C fragment repeated along N)
 //     O += P V    wgmma, P from registers (packed from S, no shuffles), V from shared memory (MN-major:
 //                 the descriptor's transpose bit reads V's rows as B's K dimension)
-// Each consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together and runs the softmax of block j
-// while the second GEMM is in flight, rescaling O once it has landed. The consumers never wait for each
-// other, so one's softmax also overlaps the other's GEMMs.
+// Each consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back and places the softmax of block
+// j between the waits for the two, rescaling O once the second has landed (ptxas currently hoists that
+// second wait above the exponentials: benchmarks/NOTES-sm90.md). The consumers never wait for each other,
+// so one's softmax overlaps the other's GEMMs.
 #pragma once
 #include <cmath>
 
