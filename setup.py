@@ -60,7 +60,7 @@ def extension_kwargs():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     os.environ.setdefault("MAX_JOBS", str(_default_max_jobs()))
-    families = {"FORWARD": ("fwd", "decode"), "BACKWARD": ("bwd",)}  # HF_FLASH_DISABLE_<name> -> csrc/<folders>
+    families = {"FORWARD": ("fwd", "fwd_sm90", "decode"), "BACKWARD": ("bwd",)}  # HF_FLASH_DISABLE_<name> -> csrc/<folders>
     disabled = [name for name in families if os.environ.get(f"HF_FLASH_DISABLE_{name}") == "1"]
     defines = [f"-DHF_FLASH_DISABLE_{name}" for name in disabled]
     sources = ["csrc/binding.cpp"] + sorted(

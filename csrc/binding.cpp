@@ -75,10 +75,12 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
     p.cu_seqlens_k = cu_seqlens_k->data_ptr<int>();
     p.seqlen_q = max_seqlen_q; p.seqlen_k = max_seqlen_k;
     p.total_q = q.size(0);
+    p.total_k = k.size(0);
     p.lse_batch_stride = 0; p.lse_head_stride = lse.stride(0);
   } else {
     p.b = q.size(0); p.seqlen_q = q.size(1); p.seqlen_k = k.size(1);
     p.total_q = p.b * p.seqlen_q;
+    p.total_k = p.b * p.seqlen_k;
     p.lse_batch_stride = lse.stride(0); p.lse_head_stride = lse.stride(1);
   }
   if (seqused_k.has_value()) {

@@ -30,6 +30,7 @@ struct FwdParams {
   int b, h, h_k, d;
   int seqlen_q, seqlen_k;  // dense lengths; varlen: max_seqlen_q / max_seqlen_k
   int total_q;             // rows of q (b*seqlen_q when dense)
+  int total_k;             // rows of k / v (b*seqlen_k when dense)
 
   const int* __restrict__ cu_seqlens_q;  // (b+1) int32 or nullptr (dense)
   const int* __restrict__ cu_seqlens_k;  // (b+1) int32 or nullptr (dense)
@@ -94,7 +95,14 @@ struct BwdParams : FwdParams {
 // Entry points, one per kernel family. They validate nothing (the binding did),
 // dispatch on (dtype, d) to the generated instantiations, and return the CUDA
 // launch status.
+// run_fwd picks the Hopper wgmma kernel (run_fwd_sm90) on CC 9.0 for the cases fwd_sm90_supports
+// accepts, the mma.sync kernel (run_fwd_sm80) otherwise.
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
+// Hopper kernels are allowed: a CC 9.0 device, and HF_FLASH_DISABLE_SM90 is not 1 (A/B runs, tests).
+bool use_sm90(const FwdParams& params);
+bool fwd_sm90_supports(const FwdParams& params);
+cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream);
+cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 
 // Decode against a KV cache (dense, seqused_k set): seqlen_q <= kDecodeMaxSeqlenQ query rows per
 // sequence, the h / h_k query heads of one KV head packed into one tile's rows.

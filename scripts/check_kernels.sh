@@ -9,8 +9,7 @@ if ! command -v nvcc >/dev/null; then
 fi
 jobs=${1:-$(nproc)}
 python3 csrc/generate_kernels.py
-if ! git diff --quiet -- csrc/fwd/generated csrc/bwd/generated csrc/decode/generated || \
-   [ -n "$(git ls-files --others --exclude-standard csrc/fwd/generated csrc/bwd/generated csrc/decode/generated)" ]; then
+if ! git diff --quiet -- 'csrc/*/generated' || [ -n "$(git ls-files --others --exclude-standard 'csrc/*/generated')" ]; then
   echo "check_kernels: csrc/*/generated is stale; run python csrc/generate_kernels.py and commit"
   exit 1
 fi

@@ -14,7 +14,6 @@
 // Issue order dV, (barrier) dQ, dK, so the dQ reductions run under the dK wgmma (+3-6% over dK before dQ).
 // Tiles are stored in 128-byte swizzled panels (sm90/wgmma.cuh). See benchmarks/NOTES-sm90.md.
 #pragma once
-#include <cstdlib>
 
 #include "bwd/kernel.cuh"
 #include "sm90/wgmma.cuh"
@@ -225,7 +224,7 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
 }
 
 // Whether this kernel runs the backward of p: a CC 9.0 GPU, a build with sm_90a code for it, and none of the
-// features it leaves to csrc/bwd. HF_FLASH_DISABLE_SM90=1 forces csrc/bwd (A/B runs, debugging).
+// features it leaves to csrc/bwd (use_sm90: HF_FLASH_DISABLE_SM90=1 forces csrc/bwd).
 template <bool kIsBf16, int kHeadDim>
 bool supported(const BwdParams& p) {
   if constexpr (kHeadDim != 64 && kHeadDim != 128) {
@@ -235,8 +234,7 @@ bool supported(const BwdParams& p) {
       cudaFuncAttributes attr{};
       return cudaFuncGetAttributes(&attr, main_kernel<kIsBf16, kHeadDim>) == cudaSuccess && attr.binaryVersion == 90;
     }();
-    const char* env = std::getenv("HF_FLASH_DISABLE_SM90");
-    return p.arch == 90 && has_sm90_code && !(env && env[0] == '1') && p.softcap <= 0.f && !p.alibi_slopes &&
+    return use_sm90(p) && has_sm90_code && p.softcap <= 0.f && !p.alibi_slopes &&
            p.p_dropout <= 0.f && !p.deterministic && p.window_left < 0 && p.window_right <= 0;
   }
 }

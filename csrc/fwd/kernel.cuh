@@ -147,6 +147,46 @@ __device__ __forceinline__ int2 key_range(const FwdParams& p, int batch) {
   return make_int2(start + leftpad, end - leftpad);
 }
 
+// Key j is visible to query i (both within their sequence) iff lo(i) <= j <= hi(i). An unbounded window
+// side reaches past both sequences, so one formula covers every mask.
+struct KeyWindow {
+  int diag, left, right, seqlen_k;
+  __device__ __forceinline__ KeyWindow(const FwdParams& p, int seqlen_q, int seqlen_k_)
+      : diag(seqlen_k_ - seqlen_q), seqlen_k(seqlen_k_) {
+    const int reach = seqlen_q + seqlen_k_;
+    left = p.window_left >= 0 ? min(p.window_left, reach) : reach;
+    right = p.window_right >= 0 ? min(p.window_right, reach) : reach;
+  }
+  __device__ __forceinline__ int lo(int i) const { return i + diag - left; }
+  __device__ __forceinline__ int hi(int i) const { return min(seqlen_k - 1, i + diag + right); }
+};
+
+// Scores of invisible keys -> -inf. Element (mi, nt, e) is row row_of(mi, e / 2), key n0 + 8 nt + 2t + e % 2.
+template <int kMTiles, int kNTiles, class RowOf>
+__device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], const KeyWindow& w, int n0, int t,
+                                           RowOf row_of) {
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = row_of(mi, half);
+      const int lo = w.lo(i), hi = w.hi(i);
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = n0 + nt * 8 + 2 * t + e;
+          if (j < lo || j > hi) s[mi][nt][half * 2 + e] = -INFINITY;
+        }
+    }
+}
+
+// Natural-log LSE of a row from its max score (unscaled) and its sum of exp2(S * scale_log2 - max_scaled);
+// +inf for a row with no visible key.
+__device__ __forceinline__ float row_lse(float row_max, float row_sum, float scale_log2) {
+  return row_sum == 0.f ? INFINITY : (row_max * scale_log2 + __log2f(row_sum)) * kLn2;
+}
+
 // s = softcap * tanh(s * softcap_in) on the unscaled scores.
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void apply_softcap(float (&s)[kMTiles][kNTiles][4], float softcap, float softcap_in) {
@@ -158,12 +198,12 @@ __device__ __forceinline__ void apply_softcap(float (&s)[kMTiles][kNTiles][4], f
       for (int e = 0; e < 4; ++e) s[mi][nt][e] = softcap * tile::fast_tanh(s[mi][nt][e] * softcap_in);
 }
 
-// Online softmax step on one key block of masked scores: P = exp2(S * scale_log2 - max) in place,
-// O and the row sums rescaled to the new row max.
+// Online softmax step on one key block of masked scores: P = exp2(S * scale_log2 - max) in place, the
+// row sums rescaled to the new row max; alpha = the factor O must be rescaled by.
 template <class Tr>
-__device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
-                                               float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
-                                               float (&o)[Tr::kMTiles][Tr::kDTiles][4], float scale_log2) {
+__device__ __forceinline__ void softmax_step(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
+                                             float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
+                                             float (&alpha)[Tr::kMTiles][2], float scale_log2) {
 #pragma unroll
   for (int mi = 0; mi < Tr::kMTiles; ++mi)
 #pragma unroll
@@ -173,7 +213,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTil
       for (int nt = 0; nt < Tr::kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][half * 2], s[mi][nt][half * 2 + 1]));
       mx = tile::quad_max(mx);
       const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;  // fully masked so far: P = 0, no NaN
-      const float alpha = tile::fast_exp2(row_max[mi][half] * scale_log2 - max_scaled);
+      alpha[mi][half] = tile::fast_exp2(row_max[mi][half] * scale_log2 - max_scaled);
       row_max[mi][half] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -183,13 +223,28 @@ __device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTil
           s[mi][nt][e] = tile::fast_exp2(fmaf(s[mi][nt][e], scale_log2, -max_scaled));
           sum += s[mi][nt][e];
         }
-      row_sum[mi][half] = row_sum[mi][half] * alpha + sum;
-#pragma unroll
-      for (int dt = 0; dt < Tr::kDTiles; ++dt) {
-        o[mi][dt][half * 2] *= alpha;
-        o[mi][dt][half * 2 + 1] *= alpha;
-      }
+      row_sum[mi][half] = row_sum[mi][half] * alpha[mi][half] + sum;
     }
+}
+
+template <class Tr>
+__device__ __forceinline__ void rescale_o(float (&o)[Tr::kMTiles][Tr::kDTiles][4], const float (&alpha)[Tr::kMTiles][2]) {
+#pragma unroll
+  for (int mi = 0; mi < Tr::kMTiles; ++mi)
+#pragma unroll
+    for (int dt = 0; dt < Tr::kDTiles; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mi][dt][e] *= alpha[mi][e / 2];
+}
+
+// softmax_step, then O rescaled.
+template <class Tr>
+__device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
+                                               float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
+                                               float (&o)[Tr::kMTiles][Tr::kDTiles][4], float scale_log2) {
+  float alpha[Tr::kMTiles][2];
+  softmax_step<Tr>(s, row_max, row_sum, alpha, scale_log2);
+  rescale_o<Tr>(o, alpha);
 }
 
 template <class Tr>
@@ -219,15 +274,10 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
   const int m0 = m_block * kBlockM;
   if (m0 >= seqlen_q) return;
 
-  // Key j is visible to query i iff i + diag - left <= j <= min(seqlen_k - 1, i + diag + right).
-  // An unbounded side reaches past both sequences, so one formula covers every mask.
-  const int diag = seqlen_k - seqlen_q;
-  const int reach = seqlen_q + seqlen_k;
-  const int left = p.window_left >= 0 ? min(p.window_left, reach) : reach;
-  const int right = p.window_right >= 0 ? min(p.window_right, reach) : reach;
+  const KeyWindow w(p, seqlen_q, seqlen_k);
   const int m_last = min(m0 + kBlockM, seqlen_q) - 1;
-  const int n_begin = max(0, m0 + diag - left);
-  const int n_end = min(seqlen_k, m_last + diag + right + 1);
+  const int n_begin = max(0, w.lo(m0));
+  const int n_end = w.hi(m_last) + 1;
   const int n_block_min = n_begin / kBlockN;
   const int n_block_max = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min;
 
@@ -295,26 +345,10 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int j = n0 + nt * 8 + 2 * t + (e & 1);
-            s[mi][nt][e] -= alibi * float(abs(row_of(mi, e >> 1) + diag - j));
+            s[mi][nt][e] -= alibi * float(abs(row_of(mi, e >> 1) + w.diag - j));
           }
     }
-    const bool full_block = n0 >= m_last + diag - left && n0 + kBlockN - 1 <= min(seqlen_k - 1, m0 + diag + right);
-    if (!full_block) {
-#pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = row_of(mi, half);
-          const int lo = i + diag - left, hi = min(seqlen_k - 1, i + diag + right);
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int j = n0 + nt * 8 + 2 * t + e;
-              if (j < lo || j > hi) s[mi][nt][half * 2 + e] = -INFINITY;
-            }
-        }
-    }
+    if (n0 < w.lo(m_last) || n0 + kBlockN - 1 > w.hi(m0)) apply_mask(s, w, n0, t, row_of);
 
     online_softmax<Tr>(s, row_max, row_sum, o, scale_log2);
 
@@ -349,10 +383,9 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float l = tile::quad_sum(row_sum[mi][half]);
-      const bool empty = l == 0.f;  // no visible key: O = 0, LSE = +inf
-      const float inv = empty ? 0.f : 1.f / l;
+      const float inv = l == 0.f ? 0.f : 1.f / l;  // no visible key: O = 0, LSE = +inf
       const int i = row_of(mi, half);
-      if (t == 0 && i < seqlen_q) lse[i] = empty ? INFINITY : (row_max[mi][half] * scale_log2 + __log2f(l)) * kLn2;
+      if (t == 0 && i < seqlen_q) lse[i] = row_lse(row_max[mi][half], l, scale_log2);
       const int r = i - m0;
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {

@@ -30,6 +30,13 @@ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t s
   return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(lbo >> 4) << 16 | uint64_t(sbo >> 4) << 32 | uint64_t(1) << 62;
 }
 
+// The descriptor of k16 step `kk` of a K-major tile of kRows rows: 32 bytes further within a panel, the
+// next panel (kRows * 128 bytes) every 4 steps.
+template <int kRows>
+__device__ __forceinline__ uint64_t k_major_step(uint64_t d, int kk) {
+  return d + (((kk / 4) * kRows * 128 + (kk % 4) * 32) >> 4);
+}
+
 #ifdef HF_SM90_ENABLED
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -38,13 +45,14 @@ __device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.ali
 // Generic-proxy shared-memory writes (st.shared, cp.async) made visible to wgmma's async-proxy reads.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Keeps the compiler from moving accumulator reads/writes across wgmma issue and wait.
-template <int kN>
-__device__ __forceinline__ void fence_operand(float (&d)[kN][4]) {
+// wgmma reads and writes its register operands asynchronously, unknown to the compiler: this pins each
+// register at this point (before the fence, after the wait) so no ordinary instruction moves across.
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+template <class E, int N>
+__device__ __forceinline__ void fence_operand(E (&regs)[N]) {
 #pragma unroll
-  for (int j = 0; j < kN; ++j)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) asm volatile("" : "+f"(d[j][r])::"memory");
+  for (int i = 0; i < N; ++i) fence_operand(regs[i]);
 }
 
 #define HF_SM90_F4(x, i) "+f"(x[i]), "+f"(x[i + 1]), "+f"(x[i + 2]), "+f"(x[i + 3])

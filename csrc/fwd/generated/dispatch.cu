@@ -6,7 +6,7 @@ namespace hf_flash {
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_fwd_hdim(const FwdParams&, cudaStream_t);
 
-cudaError_t run_fwd(const FwdParams& p, cudaStream_t s) {
+cudaError_t run_fwd_sm80(const FwdParams& p, cudaStream_t s) {
   switch (p.d) {
     case 32: return p.is_bf16 ? run_fwd_hdim<true, 32>(p, s) : run_fwd_hdim<false, 32>(p, s);
     case 64: return p.is_bf16 ? run_fwd_hdim<true, 64>(p, s) : run_fwd_hdim<false, 64>(p, s);

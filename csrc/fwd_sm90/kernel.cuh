@@ -1,0 +1,238 @@
+// FlashAttention forward on Hopper warpgroup MMA (wgmma, sm_90a), for the plain cases (see
+// fwd_sm90_supports in run_fwd.cu); the mma.sync kernel in fwd/ covers the rest.
+//
+// One CTA owns kBlockM = 128 query rows of one (batch, head) and three warpgroups:
+//   producer  (24 registers): one thread issues TMA loads of Q once and of K / V per key block into
+//             two-stage rings, each stage guarded by a "full" mbarrier (TMA bytes landed) and an "empty"
+//             one (both consumers done with it);
+//   consumers (240 registers): 64 query rows each, one m64 wgmma tile. They walk the visible key blocks
+//             from the last to the first like fwd/kernel.cuh. Per key block:
+//     S = Q K^T   wgmma, Q and K from shared memory (both K-major)
+//     mask, online softmax in registers on the accumulator layout (the sm80 helpers: per warp the wgmma
+//                 accumulator is the mma.m16n8 C fragment repeated along N)
+//     O += P V    wgmma, P from registers (packed from S, no shuffles), V from shared memory (MN-major:
+//                 the descriptor's transpose bit reads V's rows as B's K dimension)
+// Each consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back and places the softmax of block
+// j between the waits for the two, rescaling O once the second has landed (ptxas currently hoists that
+// second wait above the exponentials: benchmarks/NOTES-sm90.md). The consumers never wait for each other,
+// so one's softmax overlaps the other's GEMMs.
+#pragma once
+#include <cmath>
+
+#include "flash.h"
+#include "fwd/kernel.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/wgmma.cuh"
+#include "tile.cuh"
+
+namespace hf_flash {
+namespace fwd_sm90 {
+
+template <bool kIsBf16_, int kHeadDim_>
+struct Traits {
+  static constexpr bool kIsBf16 = kIsBf16_;
+  using T = typename tile::Elem<kIsBf16>::T;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumers = 2;                  // warpgroups of 64 query rows
+  static constexpr int kThreads = (kConsumers + 1) * 128;  // + the producer warpgroup
+  static constexpr int kBlockM = kConsumers * 64;       // query rows per CTA
+  static constexpr int kBlockN = 128;                   // keys per main-loop step
+  static constexpr int kStages = 2;
+  // Per-warp view for the sm80 softmax helpers: one 16-row slab, n8 tiles of S and of O.
+  static constexpr int kMTiles = 1, kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
+  // Registers per thread after setmaxnreg: 128 * 24 + kConsumers * 128 * kConsumerRegs <= 64K.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+
+  // Shared memory: Q, then K and V of each stage (swizzled wgmma tiles), then the mbarriers.
+  static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
+  static constexpr int kSmemKV = kBlockN * kHeadDim * 2;
+  static constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
+  static constexpr int kSmemBytes = kSmemQ + kStages * 2 * kSmemKV + kBarriers * 8 + 1024;  // + 1024-alignment slack
+
+  static_assert(kHeadDim % 64 == 0, "whole 128-byte swizzle panels (one TMA box each)");
+};
+
+// TMA maps of q, k, v: dims (d, heads, rows, batch), boxes of 64 columns x one head x a tile of rows
+// (launch.cuh makes them; varlen tensors are one batch of total rows).
+struct TmaMaps {
+  CUtensorMap q, k, v;
+};
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TmaMaps maps) {
+#ifdef HF_SM90_ENABLED
+  using T = typename Tr::T;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
+
+  extern __shared__ char smem[];
+  const uint32_t sQ = (tile::smem_u32(smem) + 1023) & ~1023u;  // swizzle panels start 1024-aligned
+  auto sK = [&](int stage) { return sQ + Tr::kSmemQ + stage * 2 * Tr::kSmemKV; };
+  auto sV = [&](int stage) { return sK(stage) + Tr::kSmemKV; };
+  const uint32_t q_full = sK(kStages);
+  auto k_full = [&](int stage) { return q_full + 8 * (1 + stage); };
+  auto v_full = [&](int stage) { return q_full + 8 * (1 + kStages + stage); };
+  auto k_empty = [&](int stage) { return q_full + 8 * (1 + 2 * kStages + stage); };
+  auto v_empty = [&](int stage) { return q_full + 8 * (1 + 3 * kStages + stage); };
+
+  // ---- this CTA's problem (as in fwd/kernel.cuh) ------------------------------------
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
+  const int seqlen_q = varlen ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
+  const int2 keys = fwd::key_range(p, batch);
+  const int k_start = keys.x, seqlen_k = keys.y;
+  const int m0 = m_block * kBlockM;
+  if (m0 >= seqlen_q) return;
+
+  const fwd::KeyWindow w(p, seqlen_q, seqlen_k);
+  const int m_last = min(m0 + kBlockM, seqlen_q) - 1;
+  const int n_begin = max(0, w.lo(m0));
+  const int n_end = w.hi(m_last) + 1;
+  const int n_block_min = n_begin / kBlockN;
+  const int n_block_max = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min;
+
+  if (threadIdx.x == 0) {
+    sm90::mbar_init(q_full, 1);
+    for (int stage = 0; stage < kStages; ++stage) {
+      sm90::mbar_init(k_full(stage), 1);
+      sm90::mbar_init(v_full(stage), 1);
+      sm90::mbar_init(k_empty(stage), Tr::kConsumers * 128);
+      sm90::mbar_init(v_empty(stage), Tr::kConsumers * 128);
+    }
+    sm90::mbar_init_fence();
+  }
+  __syncthreads();
+
+  // ---- producer: one thread issues every TMA load ------------------------------------------
+  if (threadIdx.x < 128) {
+    sm90::regs_dealloc<Tr::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    // Varlen tensors are one batch of total rows; rows past a sequence are masked (K), multiply P = 0
+    // (V) or are not stored (Q); rows past the tensor read as zero.
+    const int tma_batch = varlen ? 0 : batch;
+    const int head_k = head / (p.h / p.h_k);
+    sm90::mbar_arrive_expect_tx(q_full, Tr::kSmemQ);
+    for (int panel = 0; panel < kHeadDim / 64; ++panel) {
+      sm90::tma_load_4d(sQ + panel * kBlockM * 128, &maps.q, q_full, panel * 64, head, q_start + m0, tma_batch);
+    }
+    for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
+      const int stage = it % kStages, reuse_phase = (it / kStages - 1) & 1, row = k_start + n_block * kBlockN;
+      if (it >= kStages) sm90::mbar_wait(k_empty(stage), reuse_phase);
+      sm90::mbar_arrive_expect_tx(k_full(stage), Tr::kSmemKV);
+      for (int panel = 0; panel < kHeadDim / 64; ++panel) {
+        sm90::tma_load_4d(sK(stage) + panel * kBlockN * 128, &maps.k, k_full(stage), panel * 64, head_k, row, tma_batch);
+      }
+      if (it >= kStages) sm90::mbar_wait(v_empty(stage), reuse_phase);
+      sm90::mbar_arrive_expect_tx(v_full(stage), Tr::kSmemKV);
+      for (int panel = 0; panel < kHeadDim / 64; ++panel) {
+        sm90::tma_load_4d(sV(stage) + panel * kBlockN * 128, &maps.v, v_full(stage), panel * 64, head_k, row, tma_batch);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ----------------------------------------------------------------------------
+  sm90::regs_alloc<Tr::kConsumerRegs>();
+  const int wg = threadIdx.x / 128 - 1, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;  // accumulator row / column pair within a warp's 16 x 8 tile
+  const float scale_log2 = p.softmax_scale_log2;
+  const int row0 = m0 + wg * 64 + warp * 16 + g;
+  auto row_of = [&](int, int half) { return row0 + half * 8; };
+
+  float o[1][Tr::kDTiles][4] = {};
+  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}}, alpha[1][2];
+  float s[1][Tr::kNTiles][4];
+  uint32_t p_frag[1][kBlockN / 16][4];
+  const uint64_t q_desc = sm90::desc(sQ + wg * 64 * 128, 16);  // this warpgroup's 64 rows
+  // Step `it` of the walk is key block n_block_max - 1 - it, in stage it % kStages.
+  auto stage_of = [](int it) { return it % kStages; };
+  auto phase_of = [](int it) { return (it / kStages) & 1; };
+  auto issue_qk = [&](int it) {  // S = Q K^T
+    sm90::mbar_wait(k_full(stage_of(it)), phase_of(it));
+    const uint64_t k_desc = sm90::desc(sK(stage_of(it)), 16);
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      sm90::mma_ss<128, Tr::kIsBf16, 0, 0>(s[0], sm90::k_major_step<kBlockM>(q_desc, kk),
+                                       sm90::k_major_step<kBlockN>(k_desc, kk), kk > 0);
+    }
+    sm90::commit();
+  };
+  auto issue_pv = [&](int it) {  // O += P V
+    sm90::mbar_wait(v_full(stage_of(it)), phase_of(it));
+    const uint64_t v_desc = sm90::desc(sV(stage_of(it)), kBlockN * 128);
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      sm90::mma_rs<kHeadDim, Tr::kIsBf16, 1>(o[0], p_frag[0][kk], v_desc + ((kk * 16 * 128) >> 4), true);
+    }
+    sm90::commit();
+  };
+  auto softmax = [&](int it) {  // on S of step it, landed; alpha for O
+    const int n0 = (n_block_max - 1 - it) * kBlockN;
+    if (n0 < w.lo(m_last) || n0 + kBlockN - 1 > w.hi(m0)) fwd::apply_mask(s, w, n0, t, row_of);
+    fwd::softmax_step<Tr>(s, row_max, row_sum, alpha, scale_log2);
+  };
+
+  sm90::mbar_wait(q_full, 0);
+  const int steps = n_block_max - n_block_min;
+  if (steps > 0) {
+    sm90::fence();
+    issue_qk(0);
+    sm90::wait<0>();
+    sm90::fence_operand(s);
+    sm90::mbar_arrive(k_empty(stage_of(0)));
+    softmax(0);  // O is still 0: no rescale
+    fwd::pack_p<Tr>(p_frag, s);
+  }
+  for (int it = 1; it < steps; ++it) {
+    sm90::fence_operand(o);
+    sm90::fence_operand(p_frag);
+    sm90::fence();
+    issue_qk(it);
+    issue_pv(it - 1);
+    sm90::wait<1>();  // S landed; P V may still run
+    sm90::fence_operand(s);
+    sm90::mbar_arrive(k_empty(stage_of(it)));
+    softmax(it);
+    sm90::wait<0>();
+    sm90::fence_operand(o);
+    sm90::fence_operand(p_frag);
+    sm90::mbar_arrive(v_empty(stage_of(it - 1)));
+    fwd::rescale_o<Tr>(o, alpha);
+    fwd::pack_p<Tr>(p_frag, s);
+  }
+  if (steps > 0) {
+    sm90::fence_operand(o);
+    sm90::fence_operand(p_frag);
+    sm90::fence();
+    issue_pv(steps - 1);
+    sm90::wait<0>();
+    sm90::fence_operand(o);
+  }
+
+  // ---- epilogue: normalise, LSE, O straight from the accumulators ------------------------
+  float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
+  T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_start) * p.o_row_stride +
+           head * p.o_head_stride;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float l = tile::quad_sum(row_sum[0][half]);
+    const float inv = l == 0.f ? 0.f : 1.f / l;  // no visible key: O = 0, LSE = +inf
+    const int i = row_of(0, half);
+    if (i >= seqlen_q) continue;
+    if (t == 0) lse[i] = fwd::row_lse(row_max[0][half], l, scale_log2);
+    T* dst = out + int64_t(i) * p.o_row_stride + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < Tr::kDTiles; ++dt) {
+      *reinterpret_cast<uint32_t*>(dst + dt * 8) =
+          tile::pack2<Tr::kIsBf16>(o[0][dt][half * 2] * inv, o[0][dt][half * 2 + 1] * inv);
+    }
+  }
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __trap();  // compiled for sm_90 without the "a" features: run_fwd_sm90_hdim must not pick this build
+#endif
+}
+
+}  // namespace fwd_sm90
+}  // namespace hf_flash

@@ -1,0 +1,51 @@
+// Hopper forward launch: TMA maps, grid and shared memory of fwd_sm90_kernel per (dtype, head dim).
+#pragma once
+#include "flash.h"
+#include "fwd_sm90/kernel.cuh"
+#include "sm90/tma.cuh"
+
+namespace hf_flash {
+
+// cudaErrorNoKernelImageForDevice when this build carries no sm_90a code for the kernel, and
+// cudaErrorNotSupported when the driver cannot describe the tensors to TMA (e.g. broadcast strides):
+// run_fwd then runs the mma.sync kernel.
+template <bool kIsBf16, int kHeadDim>
+cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
+  using Tr = fwd_sm90::Traits<kIsBf16, kHeadDim>;
+  auto kernel = &fwd_sm90::fwd_sm90_kernel<Tr>;
+  static const bool has_sm90a = [&] {
+    cudaFuncAttributes attr;
+    return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion == 90;
+  }();
+  if (!has_sm90a) return cudaErrorNoKernelImageForDevice;
+  const dim3 grid((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.h, p.b);
+  if (grid.x == 0 || p.b == 0) return cudaSuccess;
+
+  // Maps over (d, heads, rows, batch); a varlen tensor is one batch of its total rows.
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  auto make_map = [&](CUtensorMap* map, const void* ptr, int heads, int rows, int64_t head_stride,
+                      int64_t row_stride, int64_t batch_stride, int box_rows) {
+    const int batches = varlen ? 1 : p.b;
+    const uint64_t dims[4] = {uint64_t(p.d), uint64_t(heads), uint64_t(rows), uint64_t(batches)};
+    const int64_t strides[3] = {head_stride, row_stride, batches == 1 ? row_stride * rows : batch_stride};
+    return sm90::make_tensor_map_4d(map, ptr, kIsBf16, dims, strides, box_rows);
+  };
+  fwd_sm90::TmaMaps maps;
+  cudaError_t err = make_map(&maps.q, p.q, p.h, varlen ? p.total_q : p.seqlen_q, p.q_head_stride, p.q_row_stride,
+                             p.q_batch_stride, Tr::kBlockM);
+  if (err == cudaSuccess) {
+    err = make_map(&maps.k, p.k, p.h_k, varlen ? p.total_k : p.seqlen_k, p.k_head_stride, p.k_row_stride,
+                   p.k_batch_stride, Tr::kBlockN);
+  }
+  if (err == cudaSuccess) {
+    err = make_map(&maps.v, p.v, p.h_k, varlen ? p.total_k : p.seqlen_k, p.v_head_stride, p.v_row_stride,
+                   p.v_batch_stride, Tr::kBlockN);
+  }
+  if (err != cudaSuccess) return err;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps);
+  return cudaGetLastError();
+}
+
+}  // namespace hf_flash

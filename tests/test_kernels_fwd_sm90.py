@@ -1,0 +1,86 @@
+"""The Hopper (wgmma) forward kernel: that it runs where it should, and the edges of its 128 x 128 tiles.
+test_kernels_fwd.py runs the whole forward grid with it active on CC 9.0; these cases add tile edges and
+compare it with the mma.sync kernel (HF_FLASH_DISABLE_SM90=1) on the same inputs."""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hf_flash import flash_attn_func, flash_attn_varlen_func
+from test_kernels_fwd import check_dense, cu_seqlens, randn
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                       reason="the Hopper kernel runs on compute capability 9.0"),
+]
+
+
+def forward_kernels(fn):
+    """Names of the CUDA kernels fn launches."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def run_sm80(monkeypatch, fn):
+    with monkeypatch.context() as m:
+        m.setenv("HF_FLASH_DISABLE_SM90", "1")
+        return fn()
+
+
+@pytest.mark.parametrize("d,window,softcap,expect_sm90", [
+    (128, (-1, -1), 0.0, True), (64, (-1, 0), 0.0, True),  # plain and causal
+    (96, (-1, -1), 0.0, False), (256, (-1, -1), 0.0, False),  # other head dims
+    (128, (64, 0), 0.0, False), (128, (-1, -1), 30.0, False),  # sliding window, softcap
+])
+def test_dispatch(monkeypatch, d, window, softcap, expect_sm90):
+    q, k, v = (randn(1, 300, 2, d, dtype=torch.bfloat16) for _ in range(3))
+    call = lambda: flash_attn_func(q, k, v, window_size=window, softcap=softcap)  # noqa: E731
+    names = forward_kernels(call)
+    assert any("fwd_sm90_kernel" in n for n in names) == expect_sm90, names
+    assert not any("fwd_sm90_kernel" in n for n in run_sm80(monkeypatch, lambda: forward_kernels(call)))
+
+
+# Lengths around the 128-row / 128-key tiles: one row, fewer keys than a tile, one past a tile, many tiles.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (5, 127), (127, 5), (129, 129), (200, 64), (257, 1), (2049, 2047)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_edges(monkeypatch, dtype, d, sq, sk, causal):
+    q, k, v = randn(2, sq, 4, d, dtype=dtype), randn(2, sk, 2, d, dtype=dtype), randn(2, sk, 2, d, dtype=dtype)
+    out, lse = check_dense(q, k, v, causal=causal)
+    out80, lse80 = run_sm80(monkeypatch, lambda: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2])
+    torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_large_logits_and_mqa(d):
+    # Scores of magnitude ~100: the running max moves a lot between key blocks (O rescaling); one KV head.
+    q = randn(1, 700, 8, d, dtype=torch.bfloat16, scale=8)
+    k, v = randn(1, 901, 1, d, dtype=torch.bfloat16), randn(1, 901, 1, d, dtype=torch.bfloat16)
+    check_dense(q, k, v, causal=True)
+    check_dense(q, k, v, causal=False)
+
+
+def test_strided_qkv():
+    # q, k, v as views of one packed (b, s, 3, h, d) tensor, as in fused-QKV models.
+    qkv = randn(2, 333, 3, 4, 128, dtype=torch.bfloat16)
+    check_dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_sm80(monkeypatch, causal):
+    lens_q, lens_k = [0, 128, 129, 1, 700, 0, 64], [3, 128, 0, 255, 700, 0, 1]
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    q = randn(sum(lens_q), 4, 128, dtype=torch.float16)
+    k, v = randn(sum(lens_k), 2, 128, dtype=torch.float16), randn(sum(lens_k), 2, 128, dtype=torch.float16)
+    call = lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,  # noqa: E731
+                                          return_attn_probs=True)[:2]
+    out, lse = call()
+    out80, lse80 = run_sm80(monkeypatch, call)
+    assert torch.equal(lse.isposinf(), lse80.isposinf())
+    torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(out.float(), out80.float(), atol=1e-2, rtol=0)
