@@ -82,13 +82,13 @@ def run(args) -> None:
     jobs = [("train", shape, b) for shape in TRAIN_SHAPES for b in backends
             if not (b == "eager" and TRAIN_SHAPES[shape][1] > EAGER_MAX_TOKENS_PER_ROW)]
     if not args.skip_generate:
-        jobs += [("generate-dynamic", GEN_SHAPE, b) for b in backends]
+        jobs.append(("generate-dynamic", GEN_SHAPE, None))  # all backends in one interleaved case
     rows = []
     for task, shape, backend in tqdm(jobs, desc="e2e", unit="case"):
         if task == "train":
             rows.append(_safely(measure_train, task, shape, backend, shape, args.layers, args.steps))
         else:
-            rows.append(generate.measure(backend, shape, "dynamic", args.layers))
+            rows += generate.measure_interleaved(backends, shape, args.layers)
     write_csv(rows, args.out, "e2e.csv")
     plot(rows, os.path.join(args.out, "e2e.png"))
     print(summary(rows))

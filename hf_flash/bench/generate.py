@@ -8,7 +8,9 @@ heads (d 128), intermediate 5632, vocab 32000, bf16. Cases: 8 x 1024-token promp
 and a static cache (transformers compiles the decode step: torch.compile, mode reduce-overhead,
 CUDA graphs). tokens/s = new tokens / wall time of the whole generate call (prefill included);
 prefill ms = a generate call of one new token. CUDA-synchronised wall clock, median of timed calls
-after a warm-up call (which also compiles). Writes generate.csv (after every case) and generate.png
+after a warm-up call (which also compiles). Dynamic-cache cases keep every backend's model loaded and time
+the backends in turns (generation is host-bound and drifts over a process); static-cache cases compile
+and time one model at a time. Writes generate.csv (after every case) and generate.png
 to --out and prints a table last: each backend against hf_flash, and hf_flash against the best other.
 """
 
@@ -97,38 +99,89 @@ def prompts(batch: int, length: int):
     return ids.masked_fill(mask == 0, 0).cuda(), mask.cuda()
 
 
-@torch.no_grad()
-def measure(backend: str, shape: str, cache: str, layers: int = 8, new_tokens: int = NEW_TOKENS,
-            steps: int = 3) -> Row:
-    """One case; a backend that cannot run it gets a row with its error."""
+def _generator(backend: str, shape: str, cache: str, layers: int, new_tokens: int):
+    """(generate(n), weight bytes) of one backend's benchmark model: generate(n) adds n greedy tokens to the
+    case's prompts, inside the forced SDPA backend for the sdpa-* variants."""
     from torch.nn.attention import sdpa_kernel
 
     batch, length = SHAPES[shape]
     implementation, sdpa_backend = _sdpa_backend(backend)
-    task = f"generate-{cache}"
-    try:
-        model = build_model(implementation, layers, max_positions=length + new_tokens).eval()
-        ids, mask = prompts(batch, length)
-        extra = {"cache_implementation": "static"} if cache == "static" else {}
+    model = build_model(implementation, layers, max_positions=length + new_tokens).eval()
+    ids, mask = prompts(batch, length)
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
 
-        def generate(n: int):
+    def generate(n: int):
+        with sdpa_kernel(sdpa_backend) if sdpa_backend is not None else contextlib.nullcontext():
             model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                            pad_token_id=0, **extra)
 
-        with sdpa_kernel(sdpa_backend) if sdpa_backend is not None else contextlib.nullcontext():
-            prefill = timed(lambda: generate(1), warmup=1, steps=steps)
-            torch.cuda.reset_peak_memory_stats()
-            seconds = timed(lambda: generate(new_tokens), warmup=1, steps=steps)
+    return generate, sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def _error_row(task: str, shape: str, backend: str, e: Exception) -> Row:
+    return Row(task, shape, backend, float("nan"), float("nan"),
+               error=f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:120])
+
+
+@torch.no_grad()
+def measure(backend: str, shape: str, cache: str, layers: int = 8, new_tokens: int = NEW_TOKENS,
+            steps: int = 3) -> Row:
+    """One backend on one case, alone on the GPU; a backend that cannot run it gets a row with its error."""
+    batch = SHAPES[shape][0]
+    task = f"generate-{cache}"
+    try:
+        generate, _ = _generator(backend, shape, cache, layers, new_tokens)
+        prefill = timed(lambda: generate(1), warmup=1, steps=steps)
+        torch.cuda.reset_peak_memory_stats()
+        seconds = timed(lambda: generate(new_tokens), warmup=1, steps=steps)
         return Row(task, shape, backend, batch * new_tokens / seconds, torch.cuda.max_memory_allocated() / 2**30,
                    prefill * 1e3)
     except Exception as e:  # noqa: BLE001  (whatever stops a backend on a case is its result)
-        return Row(task, shape, backend, float("nan"), float("nan"), error=f"{type(e).__name__}: "
-                   + (str(e).strip().splitlines() or [""])[0][:120])
+        return _error_row(task, shape, backend, e)
     finally:
-        model = None
+        generate = None
         gc.collect()
         torch._dynamo.reset()
         torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def measure_interleaved(backends: list[str], shape: str, layers: int = 8, new_tokens: int = NEW_TOKENS,
+                        steps: int = 3) -> list[Row]:
+    """Every backend on one dynamic-cache case, all models loaded, the timed calls taking turns (the
+    first backend of each round rotates): host-bound generation drifts ~15% over one process, and this
+    spreads the drift over all backends alike. Peak memory = the backend's weights + the most its own
+    call allocated on top of what was resident (the other models)."""
+    batch = SHAPES[shape][0]
+    task = "generate-dynamic"
+    ready, rows = {}, {}
+    for backend in backends:
+        try:
+            generate, weights = _generator(backend, shape, "dynamic", layers, new_tokens)
+            prefill = timed(lambda: generate(1), warmup=1, steps=steps)
+            generate(new_tokens)  # warm-up
+            ready[backend] = {"generate": generate, "weights": weights, "prefill": prefill, "times": [], "peak": 0}
+        except Exception as e:  # noqa: BLE001
+            rows[backend] = _error_row(task, shape, backend, e)
+    for step in range(steps):
+        order = list(ready)
+        for backend in order[step % len(order):] + order[:step % len(order)]:
+            case = ready[backend]
+            try:
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                case["times"].append(timed(lambda: case["generate"](new_tokens), warmup=0, steps=1))
+                case["peak"] = max(case["peak"], torch.cuda.max_memory_allocated() - base)
+            except Exception as e:  # noqa: BLE001
+                rows[backend] = _error_row(task, shape, backend, e)
+                del ready[backend]
+    for backend, case in ready.items():
+        rows[backend] = Row(task, shape, backend, batch * new_tokens / statistics.median(case["times"]),
+                                (case["weights"] + case["peak"]) / 2**30, case["prefill"] * 1e3)
+    ready = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    return [rows[b] for b in backends]
 
 
 def plot(rows: list[Row], path: str) -> None:
@@ -181,12 +234,16 @@ def run(args) -> None:
     def split(text):
         return [x.strip() for x in text.split(",") if x.strip()]
 
+    backends = split(args.backends)
     jobs = [(shape, cache, backend) for shape in split(args.shapes) for cache in split(args.caches)
-            for backend in split(args.backends)]
+            for backend in (backends if cache == "static" else [None])]
     rows = []
     for shape, cache, backend in (bar := tqdm(jobs, desc="generate", unit="case")):
-        bar.set_postfix_str(f"{shape} {cache} {backend}")
-        rows.append(measure(backend, shape, cache, args.layers, args.new_tokens, args.steps))
+        bar.set_postfix_str(f"{shape} {cache} {backend or 'all backends, interleaved'}")
+        if cache == "static":  # one model at a time: dynamo recompiles per model instance
+            rows.append(measure(backend, shape, cache, args.layers, args.new_tokens, args.steps))
+        else:
+            rows += measure_interleaved(backends, shape, args.layers, args.new_tokens, args.steps)
         write_csv(rows, args.out, "generate.csv")  # after every case: a cut-off run keeps what it measured
     plot(rows, os.path.join(args.out, "generate.png"))
     print(summary(rows))
