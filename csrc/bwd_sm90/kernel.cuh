@@ -230,10 +230,7 @@ bool supported(const BwdParams& p) {
   if constexpr (kHeadDim != 64 && kHeadDim != 128) {
     return false;
   } else {
-    static const bool has_sm90_code = [] {
-      cudaFuncAttributes attr{};
-      return cudaFuncGetAttributes(&attr, main_kernel<kIsBf16, kHeadDim>) == cudaSuccess && attr.binaryVersion == 90;
-    }();
+    static const bool has_sm90_code = sm90::has_sm90a_code(main_kernel<kIsBf16, kHeadDim>);
     return use_sm90(p) && has_sm90_code && p.softcap <= 0.f && !p.alibi_slopes &&
            p.p_dropout <= 0.f && !p.deterministic && p.window_left < 0 && p.window_right <= 0;
   }

@@ -13,10 +13,7 @@ template <bool kIsBf16, int kHeadDim>
 cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
   using Tr = fwd_sm90::Traits<kIsBf16, kHeadDim>;
   auto kernel = &fwd_sm90::fwd_sm90_kernel<Tr>;
-  static const bool has_sm90a = [&] {
-    cudaFuncAttributes attr;
-    return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion == 90;
-  }();
+  static const bool has_sm90a = sm90::has_sm90a_code(kernel);
   if (!has_sm90a) return cudaErrorNoKernelImageForDevice;
   const dim3 grid((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.h, p.b);
   if (grid.x == 0 || p.b == 0) return cudaSuccess;

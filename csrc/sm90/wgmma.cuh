@@ -6,6 +6,8 @@
 // ceil(cols / 64) panels of R rows x 128 bytes, each panel 1024-byte aligned, and the 16-byte chunk c of row
 // r at chunk c ^ (r % 8) (the hardware's 128-byte swizzle; it acts on address bits, hence the alignment).
 #pragma once
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -14,6 +16,14 @@
 
 namespace hf_flash {
 namespace sm90 {
+
+// Host: whether this binary carries sm_90a code for `kernel` (not in an sm_80-only build, nor one for plain
+// sm_90), so the dispatch can fall back to the mma.sync kernels.
+template <class Kernel>
+bool has_sm90a_code(Kernel kernel) {
+  cudaFuncAttributes attr{};
+  return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion == 90;
+}
 
 constexpr int kPanelCols = 64;  // 16-bit elements per 128-byte swizzled row
 
