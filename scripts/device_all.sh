@@ -1,7 +1,7 @@
 #!/bin/bash
 # The whole product on one GPU machine: build, every GPU test, the demo, the
 # convergence example, kernel and end-to-end benchmarks. Pick stages with
-#   STAGES="build test demo converge kernels decode generate e2e profile" bash scripts/device_all.sh
+#   STAGES="build test sanitize demo converge kernels decode generate e2e profile" bash scripts/device_all.sh
 # (a warm machine keeps the build); STAGES="build multigpu" on a machine with
 # 2+ GPUs. Logs and CSV/PNG go to $OUT (or out/).
 # Needs .data/tinyshakespeare.txt and the .whl wheels (datasets) carried along.
@@ -27,6 +27,12 @@ python3 -m hf_flash env | tee "$OUT/env.txt"
 if has test; then
   timeout 400 python3 -m pytest tests -m gpu -q -p no:cacheprovider --tb=short --maxfail=20 2>&1 \
     | tee "$OUT/test.log" | tail -25
+fi
+if has sanitize; then  # the Hopper kernels under memcheck and racecheck (reduced grid)
+  for tool in memcheck racecheck; do
+    timeout 150 compute-sanitizer --tool $tool python3 scripts/sanitize_sm90.py 2>&1 | tee "$OUT/$tool.log" \
+      | grep -E "ERROR SUMMARY|RACECHECK SUMMARY" | sed "s/^/$tool: /"
+  done
 fi
 if has demo; then
   timeout 120 python3 -m hf_flash demo 2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tee "$OUT/demo.log" | tail -12
