@@ -92,6 +92,13 @@ struct BwdParams : FwdParams {
   bool deterministic;  // bitwise-reproducible dq/dk/dv
 };
 
+// Lets `kernel` take `bytes` of dynamic shared memory (above 48 KB a kernel must opt in).
+template <class Kernel>
+cudaError_t allow_smem(Kernel kernel, int bytes) {
+  return bytes > 48 * 1024 ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)
+                           : cudaSuccess;
+}
+
 // Entry points, one per kernel family. They validate nothing (the binding did),
 // dispatch on (dtype, d) to the generated instantiations, and return the CUDA
 // launch status.

@@ -12,8 +12,7 @@ namespace bwd {
 template <class Kernel>
 cudaError_t launch_main(Kernel kernel, int smem_bytes, const BwdParams& params, int copies, float* dsum,
                         float* dq_acc, size_t copy_floats, cudaStream_t stream) {
-  // Once per instantiation (each Kernel type here is one function pointer per call site).
-  cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  const cudaError_t attr = allow_smem(kernel, smem_bytes);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(params.deterministic ? copies : num_n_blocks(params), params.h_k, params.b);
   kernel<<<grid, kThreads, smem_bytes, stream>>>(params, dsum, dq_acc, copy_floats);

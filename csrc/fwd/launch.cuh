@@ -13,11 +13,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const dim3 grid((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.h, p.b);
   if (grid.x == 0 || p.b == 0) return cudaSuccess;
   auto kernel = &fwd::fwd_kernel<Tr>;
-  if (Tr::kSmemBytes > 48 * 1024) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
-    if (err != cudaSuccess) return err;
-  }
+  const cudaError_t err = allow_smem(kernel, Tr::kSmemBytes);
+  if (err != cudaSuccess) return err;
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }

@@ -39,7 +39,7 @@ cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
                    p.v_batch_stride, Tr::kBlockN);
   }
   if (err != cudaSuccess) return err;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  err = allow_smem(kernel, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps);
   return cudaGetLastError();
