@@ -70,7 +70,37 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
             return _decode(query, key, value, *ranges, kwargs), None
     from transformers.integrations.flash_attention import flash_attention_forward
 
+    if attention_mask is None and query.shape[0] == 1 and kwargs.get("position_ids") is not None \
+            and kwargs.get("cu_seq_lens_q") is None and not _capturing(query):
+        kwargs = {**kwargs, **_packing(kwargs["position_ids"])}
     return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _packing(position_ids) -> dict:
+    """The wrapper's view of a batch of one with ``position_ids``, worked out once per forward.
+
+    The wrapper decides whether such a batch is several packed sequences with a host sync, and derives their
+    ``cu_seqlens`` with more, in every layer (training at 1 x 16k: 221 ms of wall time a step for 185 ms of GPU
+    time, sdpa 202 ms). The layers of one forward share the ``position_ids`` tensor: we decide once, cache the
+    answer on it (keyed by its version counter, so in-place edits recompute; inference tensors have none and are
+    decided per layer) and hand the wrapper ``position_ids=None`` and, when packed, the varlen arguments, which
+    it uses without a sync.
+    """
+    version = None if position_ids.is_inference() else position_ids._version  # inference tensors have none
+    cached = getattr(position_ids, "_hf_flash_packing", None)
+    if cached is not None and version is not None and cached[0] == version:
+        return cached[1]
+    from transformers import modeling_flash_attention_utils as mfau
+
+    if bool(mfau._is_packed_sequence(position_ids, 1)):
+        (cu_q, cu_k), (max_q, max_k) = mfau.prepare_fa_kwargs_from_position_ids(position_ids)
+        extra = dict(position_ids=None, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=int(max_q),
+                     max_length_k=int(max_k))
+    else:
+        extra = dict(position_ids=None)
+    if version is not None:
+        position_ids._hf_flash_packing = (version, extra)
+    return extra
 
 
 def _is_decode_step(module, query, key, value, mask, kwargs) -> bool:

@@ -176,6 +176,41 @@ def test_packed_matches_unpacked(name, flash_kwargs, kernel_calls, request):
     assert_same(ours, (torch.cat(logits), grads), f"{name} packed ({request.node.callspec.id}) vs unpacked eager")
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_batch_of_one_decided_once_per_forward(packed, kernel_calls, monkeypatch):
+    """A batch of one with position_ids: whether it is packed (a host sync in transformers' wrapper) and its
+    cu_seqlens are worked out once per forward, not in every layer, and the result is still right."""
+    from transformers import modeling_flash_attention_utils as mfau
+
+    calls = {"is_packed": 0, "cu_seqlens": 0}
+    for fn, key in (("_is_packed_sequence", "is_packed"), ("prepare_fa_kwargs_from_position_ids", "cu_seqlens")):
+        def spy(position_ids, *args, _original=getattr(mfau, fn), _key=key, **kwargs):
+            calls[_key] += position_ids is not None
+            return _original(position_ids, *args, **kwargs)
+        monkeypatch.setattr(mfau, fn, spy)
+    ids, targets = data()
+    lengths = LENGTHS if packed else (SEQ,)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    ids, targets = ids.flatten()[None, :position_ids.shape[1]], targets.flatten()[None, :position_ids.shape[1]]
+    valid = torch.ones_like(ids, dtype=bool)
+    ours = logits_and_grads(build("llama", "hf_flash"), targets, valid, input_ids=ids, position_ids=position_ids)
+    assert kernel_calls == {"fwd": LAYERS, "bwd": LAYERS}
+    assert calls == {"is_packed": 1, "cu_seqlens": int(packed)}
+    ref = logits_and_grads(build("llama", "eager"), targets, valid, input_ids=ids, position_ids=position_ids)
+    if packed:  # eager does not see the boundaries: compare with the sequences one by one
+        model, logits = build("llama", "eager"), []
+        model.zero_grad(set_to_none=True)
+        for start, n in zip((0, LENGTHS[0]), LENGTHS):
+            out = model(input_ids=ids[:, start:start + n], position_ids=torch.arange(n)[None]).logits[0]
+            torch.nn.functional.cross_entropy(out, targets[0, start:start + n], reduction="sum").backward()
+            logits.append(out.detach())
+        ref = torch.cat(logits), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert_same(ours, ref, f"llama batch of one ({'packed' if packed else 'one sequence'}) vs eager")
+    position_ids[0, -1] += 0  # an in-place edit: the next forward decides again
+    build("llama", "hf_flash")(input_ids=ids, position_ids=position_ids)
+    assert calls["is_packed"] == 2
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_attention_dropout_trains(name, kernel_calls):
     """Dropout inside the kernel: finite gradients, a different output, reproducible from the seed."""
