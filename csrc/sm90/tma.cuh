@@ -24,12 +24,26 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
   asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n"
                ::"r"(bar), "r"(bytes) : "memory");
 }
+// Adds `bytes` of expected TMA data to the current phase without an arrival (the issuing thread arrives later).
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One arrival on `bar` once all of this thread's earlier cp.async copies have landed (counted in mbar_init's count).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 // Blocks until the phase with parity `phase` has completed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int phase) {
   asm volatile(
       "{\n.reg .pred done;\nwait_%=:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(phase) : "memory");
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) among `threads` threads (a multiple of 32) of the CTA, e.g. the
+// consumer warpgroups of a warp-specialised kernel without its producer.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- TMA ------------------------------------------------------------------------------

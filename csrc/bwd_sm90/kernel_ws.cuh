@@ -1,0 +1,249 @@
+// FlashAttention backward main kernel on Hopper, warp-specialised: the tiles, per-query-block math and dQ
+// reductions of kernel.cuh (same Traits, LSE / D conventions, grid and fp32 dQ accumulator), with the loads moved
+// to a producer warpgroup so that the consumers never wait at a CTA-wide barrier in the main loop.
+//
+// One CTA (3 warpgroups) per (block of 128 keys, kv head, batch):
+//   producer  (24 registers): one warp. Lane 0 issues TMA loads of K, V once (kv_full) and of Q, dO per
+//             (query head, query block) into a 2-stage ring; the 32 lanes copy that block's LSE and D rows
+//             (0 past the sequence) into the stage with cp.async. A stage's "full" mbarrier completes with the
+//             TMA bytes and the 32 lanes' cp.async arrivals, its "empty" one with the 256 consumer threads'
+//             arrivals once their last wgmma on it has retired.
+//   consumers (240 registers): warpgroup w owns keys 64w..64w+63, as the warpgroups of kernel.cuh. The only
+//             barrier between them is a named one (256 threads) per query block: dQ = dS K needs both halves
+//             of dS^T. dS^T is double-buffered so a warpgroup writing block it + 1 cannot overwrite the tile
+//             the other one's dQ wgmma of block it still reads (it passed that barrier only after it).
+// Varlen: Q / dO / K / V rows past a sequence are the next sequence's rows (zero past the tensor), all masked
+// (P = 0, dS = 0) or not stored, as in the forward. See benchmarks/NOTES-sm90.md.
+#pragma once
+
+#include "bwd/kernel.cuh"
+#include "bwd_sm90/kernel.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace hf_flash {
+namespace bwd_sm90 {
+
+template <bool kIsBf16, int kHeadDim>
+struct WsTraits {
+  using Tile = Traits<kIsBf16, kHeadDim>;  // tile shapes and the dQ split shared with kernel.cuh
+  static constexpr int kThreads = 3 * 128, kConsumerThreads = 2 * 128, kStages = 2;
+  // 128 * 24 + 256 * 240 <= 64K registers.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, 2 dS^T tiles, the LSE and D rings, then
+  // the mbarriers kv_full, full[kStages], empty[kStages].
+  static constexpr int kDStBytes = Tile::kBlockN * Tile::kBlockM * 2, kRowBytes = Tile::kBlockM * 4;
+  static constexpr int kK = 0, kV = Tile::kKVBytes, kQ = 2 * Tile::kKVBytes, kDO = kQ + kStages * Tile::kQBytes,
+                       kDSt = kDO + kStages * Tile::kQBytes, kLse = kDSt + 2 * kDStBytes,
+                       kDsum = kLse + kStages * kRowBytes, kBars = kDsum + kStages * kRowBytes,
+                       kSmemBytes = kBars + (1 + 2 * kStages) * 8 + 1024;  // + alignment slack
+};
+
+// TMA maps of q, dout (boxes of kBlockM rows) and k, v (kBlockN rows): dims (d, heads, rows, batch), 64-column
+// boxes (launch.cuh makes them; varlen tensors are one batch of total rows).
+struct TmaMaps {
+  CUtensorMap q, dout, k, v;
+};
+
+template <bool kIsBf16, int kHeadDim>
+__global__ void __launch_bounds__(WsTraits<kIsBf16, kHeadDim>::kThreads, 1)
+    main_kernel_ws(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
+                   const float* __restrict__ dsum, float* __restrict__ dq_acc) {
+#ifdef HF_SM90_ENABLED
+  using Tr = WsTraits<kIsBf16, kHeadDim>;
+  constexpr int kD = kHeadDim, kBlockN = Tr::Tile::kBlockN, kBlockM = Tr::Tile::kBlockM, kStages = Tr::kStages;
+  constexpr int kQBytes = Tr::Tile::kQBytes;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = tile::smem_u32(smem_raw), base = (raw + 1023) & ~1023u;
+  float* s_lse = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kLse);    // [stage][row] LSE
+  float* s_dsum = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kDsum);  // [stage][row] D
+  const uint32_t sK = base + Tr::kK, sV = base + Tr::kV, kv_full = base + Tr::kBars;
+  auto sQ = [&](int st) { return base + Tr::kQ + st * kQBytes; };
+  auto sDO = [&](int st) { return base + Tr::kDO + st * kQBytes; };
+  auto full = [&](int st) { return kv_full + 8 * (1 + st); };
+  auto empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
+
+  const int hk = blockIdx.y, b = blockIdx.z, groups = p.h / p.h_k;
+  const bwd::Seq seq(p, b);
+  const int n0 = blockIdx.x * kBlockN;
+  if (n0 >= seq.sk) return;  // varlen: past this sequence's keys (the whole CTA)
+  const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
+  const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner
+
+  if (threadIdx.x == 0) {
+    sm90::mbar_init(kv_full, 1);
+    for (int st = 0; st < kStages; ++st) {
+      sm90::mbar_init(full(st), 32);
+      sm90::mbar_init(empty(st), Tr::kConsumerThreads);
+    }
+    sm90::mbar_init_fence();
+  }
+  __syncthreads();
+
+  // ---- producer: warp 0 ----------------------------------------------------------------------
+  if (threadIdx.x < 128) {
+    sm90::regs_dealloc<Tr::kProducerRegs>();
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x, tma_b = p.cu_seqlens_q ? 0 : b;
+    if (lane == 0) {
+      sm90::mbar_arrive_expect_tx(kv_full, 2 * Tr::Tile::kKVBytes);
+      for (int panel = 0; panel < kD / 64; ++panel) {
+        sm90::tma_load_4d(sK + panel * kBlockN * 128, &maps.k, kv_full, panel * 64, hk, seq.k0 + n0, tma_b);
+        sm90::tma_load_4d(sV + panel * kBlockN * 128, &maps.v, kv_full, panel * 64, hk, seq.k0 + n0, tma_b);
+      }
+    }
+    int head = hk * groups, mi = 0;
+#pragma unroll 1  // unrolled by the stages, the loop spills at 24 registers
+    for (int it = 0; it < iters; ++it) {
+      const int st = it % kStages, m0 = (kb.m_begin + mi) * kBlockM;
+      if (it >= kStages) sm90::mbar_wait(empty(st), (it / kStages - 1) & 1);
+      if (lane == 0) {
+        sm90::mbar_expect_tx(full(st), 2 * kQBytes);
+        for (int panel = 0; panel < kD / 64; ++panel) {
+          sm90::tma_load_4d(sQ(st) + panel * kBlockM * 128, &maps.q, full(st), panel * 64, head, seq.q0 + m0, tma_b);
+          sm90::tma_load_4d(sDO(st) + panel * kBlockM * 128, &maps.dout, full(st), panel * 64, head, seq.q0 + m0,
+                            tma_b);
+        }
+      }
+      const float* lse = p.lse + (p.cu_seqlens_q ? head * p.lse_head_stride + seq.q0
+                                                 : b * p.lse_batch_stride + head * p.lse_head_stride);
+      const float* d = dsum + int64_t(head) * p.total_q + seq.ws0;
+#pragma unroll
+      for (int i = 0; i < kBlockM / 32; ++i) {  // rows past the end read as 0; they are masked
+        const int r = lane + 32 * i;
+        const bool ok = m0 + r < seq.sq;
+        bwd::cp_async4(tile::smem_u32(s_lse + st * kBlockM + r), ok ? lse + m0 + r : lse, ok);
+        bwd::cp_async4(tile::smem_u32(s_dsum + st * kBlockM + r), ok ? d + m0 + r : d, ok);
+      }
+      sm90::cp_async_mbar_arrive(full(st));  // asynchronous: no registers held for the copies in flight
+      mi = mi + 1 < kb.m_count ? mi + 1 : 0;
+      head += mi == 0;
+    }
+    return;
+  }
+
+  // ---- consumers -------------------------------------------------------------------------------
+  sm90::regs_alloc<Tr::kConsumerRegs>();
+  const int tid = threadIdx.x - 128, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int off = seq.sk - seq.sq;
+  const bool causal = p.window_right == 0;  // else unmasked (supported() rules out windows)
+  float dv[kD / 8][4] = {}, dk[kD / 8][4] = {};  // this warpgroup's 64 keys (GQA: summed over the group)
+  float s[kBlockM / 8][4] = {}, dp[kBlockM / 8][4] = {}, dq[8][4] = {};
+  const int key0 = n0 + 64 * wg + 16 * warp + g;  // this thread's keys: key0, key0 + 8
+  int head = hk * groups, mi = 0;                  // of iteration it
+  sm90::mbar_wait(kv_full, 0);                     // also: no TMA lands after the CTA (iters == 0)
+
+  for (int it = 0; it < iters; ++it) {
+    const int st = it % kStages, m0 = (kb.m_begin + mi) * kBlockM;
+    const uint32_t q_s = sQ(st), do_s = sDO(st), dst_s = base + Tr::kDSt + (it % 2) * Tr::kDStBytes;
+    const float* lse_st = s_lse + st * kBlockM;
+    const float* dsum_st = s_dsum + st * kBlockM;
+    sm90::mbar_wait(full(st), (it / kStages) & 1);
+
+    // S^T = K Q^T and dP^T = V dO^T over d (this warpgroup's 64 key rows of K / V, all query rows of Q / dO),
+    // K-major operands: k16 steps walk the 128-byte panel rows in 32 bytes; one commit group each.
+    auto gemm_keys = [&](uint32_t sKeys, uint32_t sQueries, auto& acc) {
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        const uint32_t a = (kk / 4) * kBlockN * 128 + wg * 64 * 128 + kk % 4 * 32;
+        const uint32_t bq = (kk / 4) * kBlockM * 128 + kk % 4 * 32;
+        sm90::mma_ss<kBlockM, kIsBf16, 0, 0>(acc, sm90::desc(sKeys + a, 16), sm90::desc(sQueries + bq, 16), kk > 0);
+      }
+      sm90::commit();
+    };
+    sm90::fence();
+    gemm_keys(sK, q_s, s);
+    gemm_keys(sV, do_s, dp);
+
+    // P^T (masked: causal diagonal, sequence ends) into the A fragments of dV += P^T dO.
+    sm90::wait<1>();
+    sm90::fence_operand(s);
+    const bool all_visible =
+        n0 + kBlockN <= seq.sk && m0 + kBlockM <= seq.sq && (!causal || n0 + kBlockN - 1 <= m0 + off);
+    uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      float2 l2 = *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t);
+      l2.x *= bwd::kLog2e;  // (kernel.cuh scales in shared memory: same products)
+      l2.y *= bwd::kLog2e;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int key = key0 + 8 * (r / 2), row = m0 + 8 * j + 2 * t + r % 2;
+        const float prob = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -(r % 2 ? l2.y : l2.x)));
+        s[j][r] = all_visible || (row < seq.sq && key < seq.sk && (!causal || key <= row + off)) ? prob : 0.f;
+      }
+      pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
+      pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
+    }
+    // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q and this block's dS^T tile for dQ.
+    sm90::wait<0>();
+    sm90::fence_operand(dp);
+#pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      float2 dsc = *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t);
+      dsc.x *= p.softmax_scale;
+      dsc.y *= p.softmax_scale;
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const uint32_t packed = tile::pack2<kIsBf16>(s[j][2 * h2] * fmaf(dp[j][2 * h2], p.softmax_scale, -dsc.x),
+                                                     s[j][2 * h2 + 1] * fmaf(dp[j][2 * h2 + 1], p.softmax_scale, -dsc.y));
+        dsa[j / 2][(j % 2) * 2 + h2] = packed;
+        // Key row kr = 64 wg + 16 warp + g + 8 h2 of the CTA's dS^T tile: its 16-byte chunk j % 8 of a panel
+        // sits at chunk (j % 8) ^ g, and panel_offset(kBlockN, kr, 2t) carries g in address bits 4..6, so one
+        // XOR reaches it (keeps ptxas from holding 8 swizzled offsets per row in registers across the loop).
+        const uint32_t row = dst_s + sm90::panel_offset(kBlockN, 64 * wg + 16 * warp + g + 8 * h2, 2 * t);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kBlockN * 128),
+                     "r"(packed));
+      }
+    }
+    // dV += P^T dO (and dK += dS^T Q below): k16 steps are 16 query rows (2048 bytes) of the MN-major panels.
+    sm90::fence();
+    sm90::fence_operand(dv);
+    sm90::fence_operand(dk);
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc(do_s + kk * 2048, kBlockM * 128), true);
+    sm90::commit();
+    sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
+    sm90::named_barrier_sync(1, Tr::kConsumerThreads);  // both halves of dS^T written
+
+    // dQ quarter = dS K over the 128 keys: dS^T panels (MN-major A), K panels (MN-major B).
+    const int wm = Tr::Tile::kDqSplitRows ? wg : 0, wd = Tr::Tile::kDqSplitRows ? 0 : wg;
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      sm90::mma_ss<64, kIsBf16, 1, 1>(dq, sm90::desc(dst_s + wm * kBlockN * 128 + kk * 2048, kBlockN * 128),
+                                      sm90::desc(sK + wd * kBlockN * 128 + kk * 2048, kBlockN * 128), kk > 0);
+    sm90::commit();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc(q_s + kk * 2048, kBlockM * 128), true);
+    sm90::commit();
+    sm90::wait<1>();  // dQ done; dK runs under the reductions
+    sm90::fence_operand(dq);
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int i = m0 + 64 * wm + 16 * warp + g + 8 * h2;
+      if (i < seq.sq) {
+        float* dst = dq_acc + (int64_t(seq.ws0 + i) * p.h + head) * kD + 64 * wd + 2 * t;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) bwd::red_add2(dst + 8 * j, dq[j][2 * h2], dq[j][2 * h2 + 1]);
+      }
+    }
+    sm90::wait<0>();
+    sm90::fence_operand(dv);
+    sm90::fence_operand(dk);
+    sm90::mbar_arrive(empty(st));  // this thread's wgmmas on stage st and its LSE / D reads are done
+    mi = mi + 1 < kb.m_count ? mi + 1 : 0;
+    head += mi == 0;
+  }
+
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    bwd::store_grad_row<kIsBf16, kD>(p, seq, b, hk, key0 + 8 * h2, 2 * t, h2, true, dv);
+    bwd::store_grad_row<kIsBf16, kD>(p, seq, b, hk, key0 + 8 * h2, 2 * t, h2, false, dk);
+  }
+#endif  // HF_SM90_ENABLED
+}
+
+}  // namespace bwd_sm90
+}  // namespace hf_flash

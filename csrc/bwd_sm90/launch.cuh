@@ -1,0 +1,58 @@
+// Launch of the warp-specialised Hopper backward kernel (kernel_ws.cuh): TMA maps, grid, shared memory.
+#pragma once
+#include <cstdlib>
+#include <cstring>
+
+#include "bwd/config.h"
+#include "bwd_sm90/kernel_ws.cuh"
+#include "sm90/tma.cuh"
+
+namespace hf_flash {
+namespace bwd_sm90 {
+
+// TEMPORARY (branch hopper-bwd-ws, for the A/B against kernel.cuh's main_kernel on the H100):
+// HF_FLASH_BWD_SM90_WS=0 runs the kernel without warp specialisation. Removed with the losing kernel.
+inline bool use_ws() {
+  const char* v = std::getenv("HF_FLASH_BWD_SM90_WS");
+  return !(v && std::strcmp(v, "0") == 0);
+}
+
+// cudaErrorNotSupported when the driver cannot describe the tensors to TMA (e.g. strides that are not multiples
+// of 16 bytes): run_bwd_hdim then runs the mma.sync kernel.
+template <bool kIsBf16, int kHeadDim>
+cudaError_t run_main_ws(const BwdParams& p, const float* dsum, float* dq_acc, cudaStream_t stream) {
+  using Tr = WsTraits<kIsBf16, kHeadDim>;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  // Maps over (d, heads, rows, batch); a varlen tensor is one batch of its total rows.
+  auto make_map = [&](CUtensorMap* map, const void* ptr, int heads, int rows, int64_t head_stride,
+                      int64_t row_stride, int64_t batch_stride, int box_rows) {
+    const int batches = varlen ? 1 : p.b;
+    const uint64_t dims[4] = {uint64_t(p.d), uint64_t(heads), uint64_t(rows), uint64_t(batches)};
+    const int64_t strides[3] = {head_stride, row_stride, batches == 1 ? row_stride * rows : batch_stride};
+    return sm90::make_tensor_map_4d(map, ptr, kIsBf16, dims, strides, box_rows);
+  };
+  const int rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
+  TmaMaps maps;
+  cudaError_t err = make_map(&maps.q, p.q, p.h, rows_q, p.q_head_stride, p.q_row_stride, p.q_batch_stride,
+                             Tr::Tile::kBlockM);
+  if (err == cudaSuccess) {
+    err = make_map(&maps.dout, p.dout, p.h, rows_q, p.do_head_stride, p.do_row_stride, p.do_batch_stride,
+                   Tr::Tile::kBlockM);
+  }
+  if (err == cudaSuccess) {
+    err = make_map(&maps.k, p.k, p.h_k, rows_k, p.k_head_stride, p.k_row_stride, p.k_batch_stride, Tr::Tile::kBlockN);
+  }
+  if (err == cudaSuccess) {
+    err = make_map(&maps.v, p.v, p.h_k, rows_k, p.v_head_stride, p.v_row_stride, p.v_batch_stride, Tr::Tile::kBlockN);
+  }
+  if (err != cudaSuccess) return err;
+  auto kernel = &main_kernel_ws<kIsBf16, kHeadDim>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(bwd::num_n_blocks(p), p.h_k, p.b);
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, dsum, dq_acc);
+  return cudaSuccess;
+}
+
+}  // namespace bwd_sm90
+}  // namespace hf_flash
