@@ -93,7 +93,6 @@ __global__ void __launch_bounds__(WsTraits<kIsBf16, kHeadDim>::kThreads, 1)
       }
     }
     int head = hk * groups, mi = 0;
-#pragma unroll 1  // unrolled by the stages, the loop spills at 24 registers
     for (int it = 0; it < iters; ++it) {
       const int st = it % kStages, m0 = (kb.m_begin + mi) * kBlockM;
       if (it >= kStages) sm90::mbar_wait(empty(st), (it / kStages - 1) & 1);
@@ -119,6 +118,7 @@ __global__ void __launch_bounds__(WsTraits<kIsBf16, kHeadDim>::kThreads, 1)
       mi = mi + 1 < kb.m_count ? mi + 1 : 0;
       head += mi == 0;
     }
+    tile::cp_async_wait<0>();  // no copy of this thread in flight when it exits
     return;
   }
 

@@ -1,0 +1,98 @@
+"""A/B of the Hopper backward kernels in one process (GPU machine; temporary, branch hopper-bwd-ws):
+the warp-specialised kernel (default), the previous wgmma kernel (HF_FLASH_BWD_SM90_WS=0, read per call),
+SDPA-flash and SDPA-cuDNN, same run, backward only.
+
+    python3 scripts/bwd_ws_ab.py [--quick] [--out DIR]
+
+Paper grid: hf_flash.bench.kernels.measure (B*S = 16k, H*D = 2048, bf16, TFLOP/s = 2.5 * 4*B*S^2*H*D, halved
+when causal). Llama training shape: B=2, S=4096, 16 query / 8 KV heads, d128, causal, ms per call (SDPA on KV
+heads repeated outside the timed region). Also prints the largest difference between the two kernels'
+gradients on that shape (fp32 atomics: not bitwise equal). Writes DIR/bwd_ws_ab.csv; the table is printed last.
+"""
+import argparse
+import csv
+import os
+
+import torch
+import triton.testing
+
+from hf_flash import flash_attn_func
+from hf_flash.bench import kernels
+
+KERNELS = {"ws": "1", "prev": "0"}  # column -> HF_FLASH_BWD_SM90_WS
+
+
+def grid_rows(seqlens):
+    rows = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for s in seqlens:
+                row = {"case": f"d{d} {'causal' if causal else 'full'} S={s}", "unit": "TFLOP/s"}
+                for col, flag in KERNELS.items():
+                    os.environ["HF_FLASH_BWD_SM90_WS"] = flag
+                    r = kernels.measure("bwd", "hf_flash", d, causal, s, torch.bfloat16)
+                    row[col] = r.tflops if r else float("nan")
+                for col, backend in (("flash", "sdpa-flash"), ("cudnn", "sdpa-cudnn")):
+                    r = kernels.measure("bwd", backend, d, causal, s, torch.bfloat16)
+                    row[col] = r.tflops if r else float("nan")
+                rows.append(row)
+                torch.cuda.empty_cache()
+    return rows
+
+
+def llama_row():
+    torch.manual_seed(0)
+    b, s, h, hk, d = 2, 4096, 16, 8, 128
+    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dout = torch.randn_like(q)
+    out = flash_attn_func(q, k, v, causal=True)
+    row, grads = {"case": "llama 2x4096 h16/8 d128 causal", "unit": "ms"}, {}
+    for col, flag in KERNELS.items():
+        os.environ["HF_FLASH_BWD_SM90_WS"] = flag
+        grads[col] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        row[col] = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                                           warmup=25, rep=100, return_mode="median")
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads["ws"], grads["prev"]))
+    scale = max(g.float().abs().max().item() for g in grads["prev"])
+    print(f"llama shape: max |grad_ws - grad_prev| = {diff:.3e} (max |grad| {scale:.3e})")
+    from torch.nn.attention import sdpa_kernel
+    backends = kernels._backends()
+    qt = q.detach().transpose(1, 2).requires_grad_()
+    kt, vt = (x.detach().repeat_interleave(h // hk, dim=2).transpose(1, 2).requires_grad_() for x in (k, v))
+    for col, backend in (("flash", "sdpa-flash"), ("cudnn", "sdpa-cudnn")):
+        try:
+            with sdpa_kernel(backends[backend]):
+                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+            dt = dout.transpose(1, 2)
+            row[col] = triton.testing.do_bench(lambda: torch.autograd.grad(o, (qt, kt, vt), dt, retain_graph=True),
+                                               warmup=25, rep=100, return_mode="median")
+        except RuntimeError:
+            row[col] = float("nan")
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help=f"S in {kernels.QUICK_SEQLENS} only")
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    rows = grid_rows(kernels.QUICK_SEQLENS if args.quick else (2048, 4096, 8192, 16384)) + [llama_row()]
+    os.environ.pop("HF_FLASH_BWD_SM90_WS")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bwd_ws_ab.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*rows[0], "gpu", "torch", "cudnn"])
+        writer.writeheader()
+        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
+        writer.writerows({**r, **env} for r in rows)
+    print(f"{env['gpu']}, torch {env['torch']}, cuDNN {env['cudnn']}: backward, ws = warp-specialised, "
+          "prev = previous wgmma kernel")
+    print(f"{'case':34} {'unit':8} {'ws':>8} {'prev':>8} {'flash':>8} {'cudnn':>8} {'ws/prev':>8} {'ws/cudnn':>8}")
+    for r in rows:
+        fast = (lambda a, b: a / b) if r["unit"] == "TFLOP/s" else (lambda a, b: b / a)  # > 1: ws faster
+        print(f"{r['case']:34} {r['unit']:8} " + " ".join(f"{r[c]:8.3g}" for c in ("ws", "prev", "flash", "cudnn"))
+              + f" {fast(r['ws'], r['prev']):8.3f} {fast(r['ws'], r['cudnn']):8.3f}")
+
+
+if __name__ == "__main__":
+    main()
