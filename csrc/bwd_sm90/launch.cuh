@@ -23,27 +23,24 @@ template <bool kIsBf16, int kHeadDim>
 cudaError_t run_main_ws(const BwdParams& p, const float* dsum, float* dq_acc, cudaStream_t stream) {
   using Tr = WsTraits<kIsBf16, kHeadDim>;
   const bool varlen = p.cu_seqlens_q != nullptr;
-  // Maps over (d, heads, rows, batch); a varlen tensor is one batch of its total rows.
-  auto make_map = [&](CUtensorMap* map, const void* ptr, int heads, int rows, int64_t head_stride,
-                      int64_t row_stride, int64_t batch_stride, int box_rows) {
-    const int batches = varlen ? 1 : p.b;
-    const uint64_t dims[4] = {uint64_t(p.d), uint64_t(heads), uint64_t(rows), uint64_t(batches)};
-    const int64_t strides[3] = {head_stride, row_stride, batches == 1 ? row_stride * rows : batch_stride};
-    return sm90::make_tensor_map_4d(map, ptr, kIsBf16, dims, strides, box_rows);
-  };
-  const int rows_q = varlen ? p.total_q : p.seqlen_q, rows_k = varlen ? p.total_k : p.seqlen_k;
+  // A varlen tensor is one batch of its total rows.
+  const int batches = varlen ? 1 : p.b, rows_q = varlen ? p.total_q : p.seqlen_q;
+  const int rows_k = varlen ? p.total_k : p.seqlen_k;
+  constexpr int kBlockM = Tr::Tile::kBlockM, kBlockN = Tr::Tile::kBlockN;
   TmaMaps maps;
-  cudaError_t err = make_map(&maps.q, p.q, p.h, rows_q, p.q_head_stride, p.q_row_stride, p.q_batch_stride,
-                             Tr::Tile::kBlockM);
+  cudaError_t err = sm90::make_rows_map(&maps.q, p.q, kIsBf16, p.d, p.h, rows_q, batches, p.q_head_stride,
+                                        p.q_row_stride, p.q_batch_stride, kBlockM);
   if (err == cudaSuccess) {
-    err = make_map(&maps.dout, p.dout, p.h, rows_q, p.do_head_stride, p.do_row_stride, p.do_batch_stride,
-                   Tr::Tile::kBlockM);
+    err = sm90::make_rows_map(&maps.dout, p.dout, kIsBf16, p.d, p.h, rows_q, batches, p.do_head_stride,
+                              p.do_row_stride, p.do_batch_stride, kBlockM);
   }
   if (err == cudaSuccess) {
-    err = make_map(&maps.k, p.k, p.h_k, rows_k, p.k_head_stride, p.k_row_stride, p.k_batch_stride, Tr::Tile::kBlockN);
+    err = sm90::make_rows_map(&maps.k, p.k, kIsBf16, p.d, p.h_k, rows_k, batches, p.k_head_stride, p.k_row_stride,
+                              p.k_batch_stride, kBlockN);
   }
   if (err == cudaSuccess) {
-    err = make_map(&maps.v, p.v, p.h_k, rows_k, p.v_head_stride, p.v_row_stride, p.v_batch_stride, Tr::Tile::kBlockN);
+    err = sm90::make_rows_map(&maps.v, p.v, kIsBf16, p.d, p.h_k, rows_k, batches, p.v_head_stride, p.v_row_stride,
+                              p.v_batch_stride, kBlockN);
   }
   if (err != cudaSuccess) return err;
   auto kernel = &main_kernel_ws<kIsBf16, kHeadDim>;

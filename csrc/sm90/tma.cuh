@@ -90,5 +90,16 @@ inline cudaError_t make_tensor_map_4d(CUtensorMap* map, const void* ptr, bool is
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
 }
 
+// The map of a (batch, rows, heads, d) tensor with element strides (batch, row, head) as dims (d, heads, rows,
+// batch), boxes of 64 columns x one head x box_rows rows; with batches == 1 (e.g. varlen tensors: one batch of all
+// their rows) batch_stride is unused.
+inline cudaError_t make_rows_map(CUtensorMap* map, const void* ptr, bool is_bf16, int d, int heads, int rows,
+                                 int batches, int64_t head_stride, int64_t row_stride, int64_t batch_stride,
+                                 uint32_t box_rows) {
+  const uint64_t dims[4] = {uint64_t(d), uint64_t(heads), uint64_t(rows), uint64_t(batches)};
+  const int64_t strides[3] = {head_stride, row_stride, batches == 1 ? row_stride * rows : batch_stride};
+  return make_tensor_map_4d(map, ptr, is_bf16, dims, strides, box_rows);
+}
+
 }  // namespace sm90
 }  // namespace hf_flash
