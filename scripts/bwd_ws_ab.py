@@ -3,6 +3,7 @@ the warp-specialised kernel (default), the previous wgmma kernel (HF_FLASH_BWD_S
 SDPA-flash and SDPA-cuDNN, same run, backward only.
 
     python3 scripts/bwd_ws_ab.py [--quick] [--out DIR]
+    python3 scripts/bwd_ws_ab.py --smoke   # first: small shapes, ws vs previous kernel, exit 1 if they differ
 
 Paper grid: hf_flash.bench.kernels.measure (B*S = 16k, H*D = 2048, bf16, TFLOP/s = 2.5 * 4*B*S^2*H*D, halved
 when causal). Llama training shape: B=2, S=4096, 16 query / 8 KV heads, d128, causal, ms per call (SDPA on KV
@@ -72,11 +73,48 @@ def llama_row():
     return row
 
 
+def smoke():
+    """Small dense / GQA / varlen shapes (lengths off the tiles, sq != sk): both kernels' gradients agree."""
+    from hf_flash import flash_attn_varlen_func
+
+    torch.manual_seed(0)
+    worst = 0.0
+    for d, causal, (sq, sk), (h, hk), varlen in [(64, False, (77, 150), (4, 2), False), (128, True, (150, 77), (4, 1), False),
+                                                 (128, True, (300, 300), (4, 2), False), (64, True, (1000, 700), (2, 2), False),
+                                                 (128, True, None, (4, 4), True)]:
+        if varlen:
+            lens = torch.tensor([0, 5, 0, 130, 64, 300], device="cuda")
+            cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).int()
+            q, k, v = (torch.randn(int(cu[-1]), h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            m = int(lens.max())
+            out = flash_attn_varlen_func(q, k, v, cu, cu, m, m, causal=causal)
+        else:
+            q = torch.randn(2, sq, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(2, sk, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+            out = flash_attn_func(q, k, v, causal=causal)
+        dout = torch.randn_like(out)
+        grads = {}
+        for col, flag in KERNELS.items():
+            os.environ["HF_FLASH_BWD_SM90_WS"] = flag
+            grads[col] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        torch.cuda.synchronize()
+        for name, a, b in zip("qkv", grads["ws"], grads["prev"]):
+            err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+            worst = max(worst, err if err == err else float("inf"))  # NaN counts as a failure
+            print(f"smoke d{d} causal={causal} sq,sk={sq},{sk} h={h}/{hk} varlen={varlen} d{name}: rel max diff {err:.2e}")
+    print(f"smoke: worst relative difference ws vs prev {worst:.2e}")
+    return worst < 2e-2  # bf16 gradients, fp32 atomics in a different order
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help=f"S in {kernels.QUICK_SEQLENS} only")
     parser.add_argument("--out", default=".")
+    parser.add_argument("--smoke", action="store_true", help="only compare the kernels' gradients on small shapes")
     args = parser.parse_args()
+    if args.smoke:
+        raise SystemExit(0 if smoke() else 1)
     rows = grid_rows(kernels.QUICK_SEQLENS if args.quick else (2048, 4096, 8192, 16384)) + [llama_row()]
     os.environ.pop("HF_FLASH_BWD_SM90_WS")
     os.makedirs(args.out, exist_ok=True)

@@ -1,9 +1,10 @@
 #!/bin/bash
 # One GPU-machine call for the warp-specialised Hopper backward (branch hopper-bwd-ws; temporary, goes with the
 # A/B switch HF_FLASH_BWD_SM90_WS). From the repository root (or the worktree) on an H100:
-#   bash scripts/device_bwd_ws.sh            # QUICK=0: full S grid in the A/B; RACE=1: racecheck too
-# Steps, each logged under $OUT and bounded by a timeout so the A/B table still prints: sm_90a build, ptxas /
-# SASS summary of the kernels, tests/test_kernels_bwd.py + tests/test_train_gpu.py (default kernel = ws),
+#   bash scripts/device_bwd_ws.sh            # QUICK=1: S in {2k, 8k} only in the A/B; RACE=1: racecheck too
+# Steps, each logged under $OUT and bounded by a timeout so the A/B table still prints (about 9 minutes at
+# most): sm_90a build, ptxas / SASS summary of the kernels, a smoke A/B of the gradients (stops the run on a hang or
+# a mismatch), tests/test_kernels_bwd.py + tests/test_train_gpu.py (default kernel = ws),
 # scripts/sanitize_sm90.py under memcheck, then scripts/bwd_ws_ab.py (ws vs previous kernel vs SDPA-flash vs
 # cuDNN, same run), whose table is printed last.
 set -o pipefail
@@ -24,15 +25,19 @@ for f in $(cuobjdump -sass "$so" | grep -oE "Function : \S*main_kernel_ws\S*" | 
   echo "== $f" >>"$OUT/sass.txt"
   cuobjdump -sass -fun "$f" "$so" | grep -oE "(HGMMA|SYNCS|UTMALDG|LDGSTS|BAR|RED|USETMAXREG|LDL|STL)[.A-Z0-9_]*" | sort | uniq -c >>"$OUT/sass.txt"
 done
-timeout 200 python3 -m pytest -q --tb=short -rfs --no-header -p no:cacheprovider tests/test_kernels_bwd.py tests/test_train_gpu.py \
+# A hang (mbarrier phases) or wrong gradients show here within a minute; then the rest is not worth the time.
+timeout 60 python3 scripts/bwd_ws_ab.py --smoke >"$OUT/smoke.log" 2>&1; rc=$?
+stamp "smoke rc=$rc (124: timed out, likely a hang): $(tail -1 "$OUT/smoke.log")"
+[ $rc = 0 ] || { tail -15 "$OUT/smoke.log"; exit 1; }
+timeout 180 python3 -m pytest -q --tb=short -rfs --no-header -p no:cacheprovider tests/test_kernels_bwd.py tests/test_train_gpu.py \
   >"$OUT/tests.log" 2>&1; stamp "tests rc=$?: $(tail -1 "$OUT/tests.log")"
-timeout 120 compute-sanitizer --tool memcheck python3 scripts/sanitize_sm90.py >"$OUT/memcheck.log" 2>&1
+timeout 100 compute-sanitizer --tool memcheck python3 scripts/sanitize_sm90.py >"$OUT/memcheck.log" 2>&1
 stamp "memcheck rc=$?: $(grep -E "ERROR SUMMARY|sanitize_sm90" "$OUT/memcheck.log" | tr '\n' ' ')"
 if [ "${RACE:-0}" = 1 ]; then
   timeout 150 compute-sanitizer --tool racecheck python3 scripts/sanitize_sm90.py >"$OUT/racecheck.log" 2>&1
   stamp "racecheck rc=$?: $(grep -E "RACECHECK SUMMARY|sanitize_sm90" "$OUT/racecheck.log" | tr '\n' ' ')"
 fi
-timeout 240 python3 scripts/bwd_ws_ab.py $([ "${QUICK:-1}" = 1 ] && echo --quick) --out "$OUT" >"$OUT/ab.log" 2>&1
+timeout 150 python3 scripts/bwd_ws_ab.py $([ "${QUICK:-0}" = 1 ] && echo --quick) --out "$OUT" >"$OUT/ab.log" 2>&1
 stamp "a/b rc=$?"
 grep -E "FAILED|Error|error" "$OUT/tests.log" | head -8
 cat "$OUT/sass.txt" | head -40
