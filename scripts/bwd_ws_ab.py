@@ -1,13 +1,14 @@
-"""A/B of the Hopper backward kernels in one process (GPU machine; temporary, branch hopper-bwd-ws):
-the warp-specialised kernel (default), the previous wgmma kernel (HF_FLASH_BWD_SM90_WS=0, read per call),
-SDPA-flash and SDPA-cuDNN, same run, backward only.
+"""A/B of the Hopper backward kernels in one process (GPU machine; temporary, branch hopper-bwd-ws): the
+warp-specialised kernel with red.global.add dQ (ws, default), the same with dQ bulk reductions (bulk,
+HF_FLASH_BWD_SM90_WS=2), the previous wgmma kernel (prev, HF_FLASH_BWD_SM90_WS=0; read per call), SDPA-flash and
+SDPA-cuDNN, same run, backward only.
 
     python3 scripts/bwd_ws_ab.py [--quick] [--out DIR]
-    python3 scripts/bwd_ws_ab.py --smoke   # first: small shapes, ws vs previous kernel, exit 1 if they differ
+    python3 scripts/bwd_ws_ab.py --smoke   # first: small shapes, ws and bulk vs prev, exit 1 if they differ
 
 Paper grid: hf_flash.bench.kernels.measure (B*S = 16k, H*D = 2048, bf16, TFLOP/s = 2.5 * 4*B*S^2*H*D, halved
 when causal). Llama training shape: B=2, S=4096, 16 query / 8 KV heads, d128, causal, ms per call (SDPA on KV
-heads repeated outside the timed region). Also prints the largest difference between the two kernels'
+heads repeated outside the timed region). Also prints the largest difference between the ws and prev kernels'
 gradients on that shape (fp32 atomics: not bitwise equal). Writes DIR/bwd_ws_ab.csv; the table is printed last.
 """
 import argparse
@@ -20,7 +21,7 @@ import triton.testing
 from hf_flash import flash_attn_func
 from hf_flash.bench import kernels
 
-KERNELS = {"ws": "1", "prev": "0"}  # column -> HF_FLASH_BWD_SM90_WS
+KERNELS = {"ws": "1", "bulk": "2", "prev": "0"}  # column -> HF_FLASH_BWD_SM90_WS
 
 
 def grid_rows(seqlens):
@@ -74,7 +75,7 @@ def llama_row():
 
 
 def smoke():
-    """Small dense / GQA / varlen shapes (lengths off the tiles, sq != sk): both kernels' gradients agree."""
+    """Small dense / GQA / varlen shapes (lengths off the tiles, sq != sk): the kernels' gradients agree."""
     from hf_flash import flash_attn_varlen_func
 
     torch.manual_seed(0)
@@ -99,11 +100,13 @@ def smoke():
             os.environ["HF_FLASH_BWD_SM90_WS"] = flag
             grads[col] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         torch.cuda.synchronize()
-        for name, a, b in zip("qkv", grads["ws"], grads["prev"]):
-            err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
-            worst = max(worst, err if err == err else float("inf"))  # NaN counts as a failure
-            print(f"smoke d{d} causal={causal} sq,sk={sq},{sk} h={h}/{hk} varlen={varlen} d{name}: rel max diff {err:.2e}")
-    print(f"smoke: worst relative difference ws vs prev {worst:.2e}")
+        for col in ("ws", "bulk"):
+            for name, a, b in zip("qkv", grads[col], grads["prev"]):
+                err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+                worst = max(worst, err if err == err else float("inf"))  # NaN counts as a failure
+                print(f"smoke {col} d{d} causal={causal} sq,sk={sq},{sk} h={h}/{hk} varlen={varlen} d{name}: "
+                      f"rel max diff to prev {err:.2e}")
+    print(f"smoke: worst relative difference ws / bulk vs prev {worst:.2e}")
     return worst < 2e-2  # bf16 gradients, fp32 atomics in a different order
 
 
@@ -123,13 +126,16 @@ def main():
         writer.writeheader()
         env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
         writer.writerows({**r, **env} for r in rows)
-    print(f"{env['gpu']}, torch {env['torch']}, cuDNN {env['cudnn']}: backward, ws = warp-specialised, "
-          "prev = previous wgmma kernel")
-    print(f"{'case':34} {'unit':8} {'ws':>8} {'prev':>8} {'flash':>8} {'cudnn':>8} {'ws/prev':>8} {'ws/cudnn':>8}")
+    print(f"{env['gpu']}, torch {env['torch']}, cuDNN {env['cudnn']}: backward; ws / bulk = warp-specialised with "
+          "red.global.add / bulk-reduced dQ, prev = previous wgmma kernel; ratios > 1: first one faster")
+    cols = ("ws", "bulk", "prev", "flash", "cudnn")
+    print(f"{'case':34} {'unit':8} " + " ".join(f"{c:>7}" for c in cols)
+          + f" {'ws/prev':>8} {'bulk/prev':>9} {'ws/cudnn':>8} {'bulk/cudnn':>10}")
     for r in rows:
-        fast = (lambda a, b: a / b) if r["unit"] == "TFLOP/s" else (lambda a, b: b / a)  # > 1: ws faster
-        print(f"{r['case']:34} {r['unit']:8} " + " ".join(f"{r[c]:8.3g}" for c in ("ws", "prev", "flash", "cudnn"))
-              + f" {fast(r['ws'], r['prev']):8.3f} {fast(r['ws'], r['cudnn']):8.3f}")
+        fast = (lambda a, b: a / b) if r["unit"] == "TFLOP/s" else (lambda a, b: b / a)
+        print(f"{r['case']:34} {r['unit']:8} " + " ".join(f"{r[c]:7.3g}" for c in cols)
+              + f" {fast(r['ws'], r['prev']):8.3f} {fast(r['bulk'], r['prev']):9.3f}"
+              + f" {fast(r['ws'], r['cudnn']):8.3f} {fast(r['bulk'], r['cudnn']):10.3f}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 #!/bin/bash
 # One GPU-machine call for the warp-specialised Hopper backward (branch hopper-bwd-ws; temporary, goes with the
 # A/B switch HF_FLASH_BWD_SM90_WS). From the repository root (or the worktree) on an H100:
-#   bash scripts/device_bwd_ws.sh            # QUICK=1: S in {2k, 8k} only in the A/B; RACE=1: racecheck too
+#   bash scripts/device_bwd_ws.sh     # QUICK=1: S in {2k, 8k} only in the A/B; RACE=1: racecheck too;
+#                                     # BULK_MEMCHECK=1: memcheck of the dQ bulk-reduction variant too
 # Steps, each logged under $OUT and bounded by a timeout so the A/B table still prints (about 9 minutes at
 # most): sm_90a build, ptxas / SASS summary of the kernels, a smoke A/B of the gradients (stops the run on a hang or
 # a mismatch), tests/test_kernels_bwd.py + tests/test_train_gpu.py (default kernel = ws),
-# scripts/sanitize_sm90.py under memcheck, then scripts/bwd_ws_ab.py (ws vs previous kernel vs SDPA-flash vs
-# cuDNN, same run), whose table is printed last.
+# scripts/sanitize_sm90.py under memcheck, then scripts/bwd_ws_ab.py (ws, its dQ bulk-reduction variant, the
+# previous kernel, SDPA-flash and cuDNN, same run), whose table is printed last.
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=90a MAX_JOBS=16 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,6 +34,10 @@ timeout 180 python3 -m pytest -q --tb=short -rfs --no-header -p no:cacheprovider
   >"$OUT/tests.log" 2>&1; stamp "tests rc=$?: $(tail -1 "$OUT/tests.log")"
 timeout 100 compute-sanitizer --tool memcheck python3 scripts/sanitize_sm90.py >"$OUT/memcheck.log" 2>&1
 stamp "memcheck rc=$?: $(grep -E "ERROR SUMMARY|sanitize_sm90" "$OUT/memcheck.log" | tr '\n' ' ')"
+if [ "${BULK_MEMCHECK:-0}" = 1 ]; then  # the dQ bulk-reduction variant (HF_FLASH_BWD_SM90_WS=2) too
+  HF_FLASH_BWD_SM90_WS=2 timeout 100 compute-sanitizer --tool memcheck python3 scripts/sanitize_sm90.py >"$OUT/memcheck_bulk.log" 2>&1
+  stamp "memcheck (bulk) rc=$?: $(grep -E "ERROR SUMMARY|sanitize_sm90" "$OUT/memcheck_bulk.log" | tr '\n' ' ')"
+fi
 if [ "${RACE:-0}" = 1 ]; then
   timeout 150 compute-sanitizer --tool racecheck python3 scripts/sanitize_sm90.py >"$OUT/racecheck.log" 2>&1
   stamp "racecheck rc=$?: $(grep -E "RACECHECK SUMMARY|sanitize_sm90" "$OUT/racecheck.log" | tr '\n' ' ')"

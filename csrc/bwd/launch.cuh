@@ -40,8 +40,10 @@ cudaError_t run_bwd_hdim(const BwdParams& params, cudaStream_t stream) {
   err = cudaErrorNotSupported;  // until a Hopper kernel takes the call
   if constexpr (kHeadDim == 64 || kHeadDim == 128) {
     if (bwd_sm90::supported<kIsBf16, kHeadDim>(params)) {  // Hopper wgmma kernels for the cases they cover
-      if (bwd_sm90::use_ws()) {
-        err = bwd_sm90::run_main_ws<kIsBf16, kHeadDim>(params, dsum, dq_acc, stream);
+      const int variant = bwd_sm90::ws_variant();
+      if (variant > 0) {
+        err = variant == 2 ? bwd_sm90::run_main_ws<kIsBf16, kHeadDim, true>(params, dsum, dq_acc, stream)
+                           : bwd_sm90::run_main_ws<kIsBf16, kHeadDim, false>(params, dsum, dq_acc, stream);
       } else {
         err = bwd::launch_main(bwd_sm90::main_kernel<kIsBf16, kHeadDim>, bwd_sm90::Traits<kIsBf16, kHeadDim>::kSmemBytes,
                                params, copies, dsum, dq_acc, ws.dq_copy_floats, stream);

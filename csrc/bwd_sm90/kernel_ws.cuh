@@ -12,6 +12,9 @@
 //             barrier between them is a named one (256 threads) per query block: dQ = dS K needs both halves
 //             of dS^T. dS^T is double-buffered so a warpgroup writing block it + 1 cannot overwrite the tile
 //             the other one's dQ wgmma of block it still reads (it passed that barrier only after it).
+//   kDqBulk:  the consumers store their dQ quarters into one fp32 tile in shared memory (mbarriers dq_full /
+//             dq_empty) and producer warp 1 adds its rows to the accumulator with cp.reduce.async.bulk, instead of
+//             the consumers' red.global.add (FA3's dQ path; which one wins is measured, NOTES-sm90.md).
 // Varlen: Q / dO / K / V rows past a sequence are the next sequence's rows (zero past the tensor), all masked
 // (P = 0, dS = 0) or not stored, as in the forward. See benchmarks/NOTES-sm90.md.
 #pragma once
@@ -24,19 +27,26 @@
 namespace hf_flash {
 namespace bwd_sm90 {
 
-template <bool kIsBf16, int kHeadDim>
+// kDqBulk: dQ tiles go through shared memory and producer warp 1 adds them to the fp32 accumulator with bulk
+// reductions (one cp.reduce.async.bulk per row), instead of the consumers' 8-byte red.global.add.
+template <bool kIsBf16, int kHeadDim, bool kDqBulk>
 struct WsTraits {
   using Tile = Traits<kIsBf16, kHeadDim>;  // tile shapes and the dQ split shared with kernel.cuh
   static constexpr int kThreads = 3 * 128, kConsumerThreads = 2 * 128, kStages = 2;
   // 128 * 24 + 256 * 240 <= 64K registers.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, 2 dS^T tiles, the LSE and D rings, then
-  // the mbarriers kv_full, full[kStages], empty[kStages].
+  // dQ tile rows (kD fp32) padded by 32 bytes: a half-warp's 8-byte stores (4 rows x 4 column pairs) hit
+  // distinct banks; each row stays one 16-byte aligned bulk source.
+  static constexpr int kDqRowBytes = kHeadDim * 4 + 32;
+  // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, 2 dS^T tiles, the LSE and D rings, the dQ
+  // tile (kDqBulk), then the mbarriers kv_full, full[kStages], empty[kStages], dq_full, dq_empty.
   static constexpr int kDStBytes = Tile::kBlockN * Tile::kBlockM * 2, kRowBytes = Tile::kBlockM * 4;
   static constexpr int kK = 0, kV = Tile::kKVBytes, kQ = 2 * Tile::kKVBytes, kDO = kQ + kStages * Tile::kQBytes,
                        kDSt = kDO + kStages * Tile::kQBytes, kLse = kDSt + 2 * kDStBytes,
-                       kDsum = kLse + kStages * kRowBytes, kBars = kDsum + kStages * kRowBytes,
-                       kSmemBytes = kBars + (1 + 2 * kStages) * 8 + 1024;  // + alignment slack
+                       kDsum = kLse + kStages * kRowBytes, kDq = kDsum + kStages * kRowBytes,
+                       kBars = kDq + (kDqBulk ? Tile::kBlockM * kDqRowBytes : 0),
+                       kSmemBytes = kBars + (3 + 2 * kStages) * 8 + 1024;  // + alignment slack
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 };
 
 // TMA maps of q, dout (boxes of kBlockM rows) and k, v (kBlockN rows): dims (d, heads, rows, batch), 64-column
@@ -45,12 +55,12 @@ struct TmaMaps {
   CUtensorMap q, dout, k, v;
 };
 
-template <bool kIsBf16, int kHeadDim>
-__global__ void __launch_bounds__(WsTraits<kIsBf16, kHeadDim>::kThreads, 1)
+template <bool kIsBf16, int kHeadDim, bool kDqBulk>
+__global__ void __launch_bounds__(WsTraits<kIsBf16, kHeadDim, kDqBulk>::kThreads, 1)
     main_kernel_ws(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
                    const float* __restrict__ dsum, float* __restrict__ dq_acc) {
 #ifdef HF_SM90_ENABLED
-  using Tr = WsTraits<kIsBf16, kHeadDim>;
+  using Tr = WsTraits<kIsBf16, kHeadDim, kDqBulk>;
   constexpr int kD = kHeadDim, kBlockN = Tr::Tile::kBlockN, kBlockM = Tr::Tile::kBlockM, kStages = Tr::kStages;
   constexpr int kQBytes = Tr::Tile::kQBytes;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -62,6 +72,7 @@ __global__ void __launch_bounds__(WsTraits<kIsBf16, kHeadDim>::kThreads, 1)
   auto sDO = [&](int st) { return base + Tr::kDO + st * kQBytes; };
   auto full = [&](int st) { return kv_full + 8 * (1 + st); };
   auto empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
+  const uint32_t sDq = base + Tr::kDq, dq_full = kv_full + 8 * (1 + 2 * kStages), dq_empty = dq_full + 8;
 
   const int hk = blockIdx.y, b = blockIdx.z, groups = p.h / p.h_k;
   const bwd::Seq seq(p, b);
@@ -76,13 +87,38 @@ __global__ void __launch_bounds__(WsTraits<kIsBf16, kHeadDim>::kThreads, 1)
       sm90::mbar_init(full(st), 32);
       sm90::mbar_init(empty(st), Tr::kConsumerThreads);
     }
+    sm90::mbar_init(dq_full, Tr::kConsumerThreads);
+    sm90::mbar_init(dq_empty, 32);
     sm90::mbar_init_fence();
   }
   __syncthreads();
 
-  // ---- producer: warp 0 ----------------------------------------------------------------------
+  // ---- producer: warp 0 loads, warp 1 adds the dQ tiles (kDqBulk) -----------------------------------
   if (threadIdx.x < 128) {
     sm90::regs_dealloc<Tr::kProducerRegs>();
+    if (kDqBulk && threadIdx.x / 32 == 1) {
+      const int lane = threadIdx.x % 32;
+      int head = hk * groups, mi = 0;
+#pragma unroll 1  // the producer loops stay rolled: 24 registers
+      for (int it = 0; it < iters; ++it) {
+        const int m0 = (kb.m_begin + mi) * kBlockM;
+        sm90::mbar_wait(dq_full, it & 1);
+#pragma unroll
+        for (int i = 0; i < kBlockM / 32; ++i) {  // rows past the sequence are not added
+          const int r = lane + 32 * i;
+          if (m0 + r < seq.sq) {
+            sm90::bulk_reduce_add_f32(dq_acc + (int64_t(seq.ws0 + m0 + r) * p.h + head) * kD,
+                                      sDq + r * Tr::kDqRowBytes, kD * 4);
+          }
+        }
+        sm90::bulk_commit();
+        sm90::bulk_wait_read<0>();  // the tile may be overwritten
+        sm90::mbar_arrive(dq_empty);
+        mi = mi + 1 < kb.m_count ? mi + 1 : 0;
+        head += mi == 0;
+      }
+      sm90::bulk_wait<0>();  // the additions are done before the thread exits
+    }
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x, tma_b = p.cu_seqlens_q ? 0 : b;
     if (lane == 0) {
@@ -93,6 +129,7 @@ __global__ void __launch_bounds__(WsTraits<kIsBf16, kHeadDim>::kThreads, 1)
       }
     }
     int head = hk * groups, mi = 0;
+#pragma unroll 1
     for (int it = 0; it < iters; ++it) {
       const int st = it % kStages, m0 = (kb.m_begin + mi) * kBlockM;
       if (it >= kStages) sm90::mbar_wait(empty(st), (it / kStages - 1) & 1);
@@ -111,8 +148,9 @@ __global__ void __launch_bounds__(WsTraits<kIsBf16, kHeadDim>::kThreads, 1)
       for (int i = 0; i < kBlockM / 32; ++i) {  // rows past the end read as 0; they are masked
         const int r = lane + 32 * i;
         const bool ok = m0 + r < seq.sq;
-        bwd::cp_async4(tile::smem_u32(s_lse + st * kBlockM + r), ok ? lse + m0 + r : lse, ok);
-        bwd::cp_async4(tile::smem_u32(s_dsum + st * kBlockM + r), ok ? d + m0 + r : d, ok);
+        const int src = ok ? m0 + r : 0;
+        bwd::cp_async4(tile::smem_u32(s_lse + st * kBlockM + r), lse + src, ok);
+        bwd::cp_async4(tile::smem_u32(s_dsum + st * kBlockM + r), d + src, ok);
       }
       sm90::cp_async_mbar_arrive(full(st));  // asynchronous: no registers held for the copies in flight
       mi = mi + 1 < kb.m_count ? mi + 1 : 0;
@@ -218,15 +256,29 @@ __global__ void __launch_bounds__(WsTraits<kIsBf16, kHeadDim>::kThreads, 1)
     for (int kk = 0; kk < kBlockM / 16; ++kk)
       sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc(q_s + kk * 2048, kBlockM * 128), true);
     sm90::commit();
-    sm90::wait<1>();  // dQ done; dK runs under the reductions
+    sm90::wait<1>();  // dQ done; dK runs under the reductions / the dQ tile stores
     sm90::fence_operand(dq);
+    if constexpr (kDqBulk) {
+      if (it > 0) sm90::mbar_wait(dq_empty, (it - 1) & 1);  // warp 1 has read the previous tile
 #pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const int i = m0 + 64 * wm + 16 * warp + g + 8 * h2;
-      if (i < seq.sq) {
-        float* dst = dq_acc + (int64_t(seq.ws0 + i) * p.h + head) * kD + 64 * wd + 2 * t;
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const uint32_t row = sDq + (64 * wm + 16 * warp + g + 8 * h2) * Tr::kDqRowBytes + (64 * wd + 2 * t) * 4;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) bwd::red_add2(dst + 8 * j, dq[j][2 * h2], dq[j][2 * h2 + 1]);
+        for (int j = 0; j < 8; ++j)
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(row + 32 * j), "f"(dq[j][2 * h2]),
+                       "f"(dq[j][2 * h2 + 1]));
+      }
+      sm90::fence_proxy_async();  // the stores, visible to the bulk reductions of warp 1
+      sm90::mbar_arrive(dq_full);
+    } else {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int i = m0 + 64 * wm + 16 * warp + g + 8 * h2;
+        if (i < seq.sq) {
+          float* dst = dq_acc + (int64_t(seq.ws0 + i) * p.h + head) * kD + 64 * wd + 2 * t;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) bwd::red_add2(dst + 8 * j, dq[j][2 * h2], dq[j][2 * h2 + 1]);
+        }
       }
     }
     sm90::wait<0>();

@@ -10,18 +10,19 @@
 namespace hf_flash {
 namespace bwd_sm90 {
 
-// TEMPORARY (branch hopper-bwd-ws, for the A/B against kernel.cuh's main_kernel on the H100):
-// HF_FLASH_BWD_SM90_WS=0 runs the kernel without warp specialisation. Removed with the losing kernel.
-inline bool use_ws() {
+// TEMPORARY (branch hopper-bwd-ws, for the A/B on the H100; removed with the losing kernels): which Hopper backward
+// runs, from HF_FLASH_BWD_SM90_WS: 0 = kernel.cuh's main_kernel (no warp specialisation), 2 = main_kernel_ws with
+// the dQ bulk reductions, else (default) main_kernel_ws with red.global.add.
+inline int ws_variant() {
   const char* v = std::getenv("HF_FLASH_BWD_SM90_WS");
-  return !(v && std::strcmp(v, "0") == 0);
+  return v && std::strcmp(v, "0") == 0 ? 0 : v && std::strcmp(v, "2") == 0 ? 2 : 1;
 }
 
 // cudaErrorNotSupported when the driver cannot describe the tensors to TMA (e.g. strides that are not multiples
 // of 16 bytes): run_bwd_hdim then runs the mma.sync kernel.
-template <bool kIsBf16, int kHeadDim>
+template <bool kIsBf16, int kHeadDim, bool kDqBulk>
 cudaError_t run_main_ws(const BwdParams& p, const float* dsum, float* dq_acc, cudaStream_t stream) {
-  using Tr = WsTraits<kIsBf16, kHeadDim>;
+  using Tr = WsTraits<kIsBf16, kHeadDim, kDqBulk>;
   const bool varlen = p.cu_seqlens_q != nullptr;
   // A varlen tensor is one batch of its total rows.
   const int batches = varlen ? 1 : p.b, rows_q = varlen ? p.total_q : p.seqlen_q;
@@ -43,7 +44,7 @@ cudaError_t run_main_ws(const BwdParams& p, const float* dsum, float* dq_acc, cu
                               p.v_batch_stride, kBlockN);
   }
   if (err != cudaSuccess) return err;
-  auto kernel = &main_kernel_ws<kIsBf16, kHeadDim>;
+  auto kernel = &main_kernel_ws<kIsBf16, kHeadDim, kDqBulk>;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(bwd::num_n_blocks(p), p.h_k, p.b);
