@@ -45,7 +45,7 @@ cudaError_t run_main_ws(const BwdParams& p, const float* dsum, float* dq_acc, cu
   }
   if (err != cudaSuccess) return err;
   auto kernel = &main_kernel_ws<kIsBf16, kHeadDim, kDqBulk>;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tr::kSmemBytes);
+  err = allow_smem(kernel, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(bwd::num_n_blocks(p), p.h_k, p.b);
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, dsum, dq_acc);
