@@ -82,7 +82,7 @@ def smoke():
     worst = 0.0
     for d, causal, (sq, sk), (h, hk), varlen in [(64, False, (77, 150), (4, 2), False), (128, True, (150, 77), (4, 1), False),
                                                  (128, True, (300, 300), (4, 2), False), (64, True, (1000, 700), (2, 2), False),
-                                                 (128, True, None, (4, 4), True)]:
+                                                 (128, True, (0, 0), (4, 4), True)]:
         if varlen:
             lens = torch.tensor([0, 5, 0, 130, 64, 300], device="cuda")
             cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).int()

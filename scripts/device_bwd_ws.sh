@@ -24,7 +24,7 @@ cuobjdump -res-usage "$so" 2>/dev/null | grep -A1 "bwd_sm90" | grep -oE "Functio
   | paste - - - - - >"$OUT/sass.txt"
 for f in $(cuobjdump -sass "$so" | grep -oE "Function : \S*main_kernel_ws\S*" | awk '{print $3}'); do
   echo "== $f" >>"$OUT/sass.txt"
-  cuobjdump -sass -fun "$f" "$so" | grep -oE "(HGMMA|SYNCS|UTMALDG|LDGSTS|BAR|RED|USETMAXREG|LDL|STL)[.A-Z0-9_]*" | sort | uniq -c >>"$OUT/sass.txt"
+  cuobjdump -sass -fun "$f" "$so" 2>/dev/null | grep -oE "(HGMMA|SYNCS|UTMALDG|LDGSTS|BAR|RED|USETMAXREG|LDL|STL)[.A-Z0-9_]*" | sort | uniq -c >>"$OUT/sass.txt"
 done
 # A hang (mbarrier phases) or wrong gradients show here within a minute; then the rest is not worth the time.
 timeout 60 python3 scripts/bwd_ws_ab.py --smoke >"$OUT/smoke.log" 2>&1; rc=$?
