@@ -1,6 +1,6 @@
 """A/B of the Hopper backward kernels in one process (GPU machine; temporary, branch hopper-bwd-ws): the
 warp-specialised kernel with red.global.add dQ (ws, default), the same with dQ bulk reductions (bulk,
-HF_FLASH_BWD_SM90_WS=2), the previous wgmma kernel (prev, HF_FLASH_BWD_SM90_WS=0; read per call), SDPA-flash and
+HF_FLASH_BWD_SM90_GRID=2), the previous wgmma kernel (prev, HF_FLASH_BWD_SM90_GRID=0; read per call), SDPA-flash and
 SDPA-cuDNN, same run, backward only.
 
     python3 scripts/bwd_ws_ab.py [--quick] [--out DIR]
@@ -21,7 +21,7 @@ import triton.testing
 from hf_flash import flash_attn_func
 from hf_flash.bench import kernels
 
-KERNELS = {"ws": "1", "bulk": "2", "prev": "0"}  # column -> HF_FLASH_BWD_SM90_WS
+KERNELS = {"lpt": "", "n": "n"}  # column -> HF_FLASH_BWD_SM90_GRID
 
 
 def grid_rows(seqlens):
@@ -31,7 +31,7 @@ def grid_rows(seqlens):
             for s in seqlens:
                 row = {"case": f"d{d} {'causal' if causal else 'full'} S={s}", "unit": "TFLOP/s"}
                 for col, flag in KERNELS.items():
-                    os.environ["HF_FLASH_BWD_SM90_WS"] = flag
+                    os.environ["HF_FLASH_BWD_SM90_GRID"] = flag
                     r = kernels.measure("bwd", "hf_flash", d, causal, s, torch.bfloat16)
                     row[col] = r.tflops if r else float("nan")
                 for col, backend in (("flash", "sdpa-flash"), ("cudnn", "sdpa-cudnn")):
@@ -51,12 +51,12 @@ def llama_row():
     out = flash_attn_func(q, k, v, causal=True)
     row, grads = {"case": "llama 2x4096 h16/8 d128 causal", "unit": "ms"}, {}
     for col, flag in KERNELS.items():
-        os.environ["HF_FLASH_BWD_SM90_WS"] = flag
+        os.environ["HF_FLASH_BWD_SM90_GRID"] = flag
         grads[col] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         row[col] = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
                                            warmup=25, rep=100, return_mode="median")
-    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads["ws"], grads["prev"]))
-    scale = max(g.float().abs().max().item() for g in grads["prev"])
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads["lpt"], grads["n"]))
+    scale = max(g.float().abs().max().item() for g in grads["n"])
     print(f"llama shape: max |grad_ws - grad_prev| = {diff:.3e} (max |grad| {scale:.3e})")
     from torch.nn.attention import sdpa_kernel
     backends = kernels._backends()
@@ -97,11 +97,11 @@ def smoke():
         dout = torch.randn_like(out)
         grads = {}
         for col, flag in KERNELS.items():
-            os.environ["HF_FLASH_BWD_SM90_WS"] = flag
+            os.environ["HF_FLASH_BWD_SM90_GRID"] = flag
             grads[col] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         torch.cuda.synchronize()
-        for col in ("ws", "bulk"):
-            for name, a, b in zip("qkv", grads[col], grads["prev"]):
+        for col in ("lpt",):
+            for name, a, b in zip("qkv", grads[col], grads["n"]):
                 err = ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
                 worst = max(worst, err if err == err else float("inf"))  # NaN counts as a failure
                 print(f"smoke {col} d{d} causal={causal} sq,sk={sq},{sk} h={h}/{hk} varlen={varlen} d{name}: "
@@ -119,23 +119,21 @@ def main():
     if args.smoke:
         raise SystemExit(0 if smoke() else 1)
     rows = grid_rows(kernels.QUICK_SEQLENS if args.quick else (2048, 4096, 8192, 16384)) + [llama_row()]
-    os.environ.pop("HF_FLASH_BWD_SM90_WS")
+    os.environ.pop("HF_FLASH_BWD_SM90_GRID")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bwd_ws_ab.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[*rows[0], "gpu", "torch", "cudnn"])
         writer.writeheader()
         env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
         writer.writerows({**r, **env} for r in rows)
-    print(f"{env['gpu']}, torch {env['torch']}, cuDNN {env['cudnn']}: backward; ws / bulk = warp-specialised with "
-          "red.global.add / bulk-reduced dQ, prev = previous wgmma kernel; ratios > 1: first one faster")
-    cols = ("ws", "bulk", "prev", "flash", "cudnn")
-    print(f"{'case':34} {'unit':8} " + " ".join(f"{c:>7}" for c in cols)
-          + f" {'ws/prev':>8} {'bulk/prev':>9} {'ws/cudnn':>8} {'bulk/cudnn':>10}")
+    print(f"{env['gpu']}, torch {env['torch']}, cuDNN {env['cudnn']}: backward; lpt = key blocks slowest in the grid, "
+          "n = key blocks fastest; ratios > 1: first one faster")
+    cols = ("lpt", "n", "flash", "cudnn")
+    print(f"{'case':34} {'unit':8} " + " ".join(f"{c:>7}" for c in cols) + f" {'lpt/n':>8} {'lpt/cudnn':>9} {'lpt/flash':>9}")
     for r in rows:
         fast = (lambda a, b: a / b) if r["unit"] == "TFLOP/s" else (lambda a, b: b / a)
         print(f"{r['case']:34} {r['unit']:8} " + " ".join(f"{r[c]:7.3g}" for c in cols)
-              + f" {fast(r['ws'], r['prev']):8.3f} {fast(r['bulk'], r['prev']):9.3f}"
-              + f" {fast(r['ws'], r['cudnn']):8.3f} {fast(r['bulk'], r['cudnn']):10.3f}")
+              + f" {fast(r['lpt'], r['n']):8.3f} {fast(r['lpt'], r['cudnn']):9.3f} {fast(r['lpt'], r['flash']):9.3f}")
 
 
 if __name__ == "__main__":

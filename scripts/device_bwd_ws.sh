@@ -22,7 +22,7 @@ stamp "built"
 so=$(ls hf_flash/_C*.so | head -1)
 cuobjdump -res-usage "$so" 2>/dev/null | grep -A1 "bwd_sm90" | grep -oE "Function [^ ]+|REG:[0-9]+|STACK:[0-9]+|SHARED:[0-9]+|LOCAL:[0-9]+" \
   | paste - - - - - >"$OUT/sass.txt"
-for f in $(cuobjdump -sass "$so" | grep -oE "Function : \S*main_kernel_ws\S*" | awk '{print $3}'); do
+for f in $(cuobjdump -sass "$so" | grep -oE "Function : \S*bwd_sm9011main_kernel\S*" | awk '{print $3}'); do
   echo "== $f" >>"$OUT/sass.txt"
   cuobjdump -sass -fun "$f" "$so" 2>/dev/null | grep -oE "(HGMMA|SYNCS|UTMALDG|LDGSTS|BAR|RED|USETMAXREG|LDL|STL)[.A-Z0-9_]*" | sort | uniq -c >>"$OUT/sass.txt"
 done
@@ -30,7 +30,7 @@ done
 timeout 60 python3 scripts/bwd_ws_ab.py --smoke >"$OUT/smoke.log" 2>&1; rc=$?
 stamp "smoke rc=$rc (124: timed out, likely a hang): $(tail -1 "$OUT/smoke.log")"
 [ $rc = 0 ] || { tail -15 "$OUT/smoke.log"; exit 1; }
-timeout 180 python3 -m pytest -q --tb=short -rfs --no-header -p no:cacheprovider tests/test_kernels_bwd.py tests/test_train_gpu.py \
+timeout 240 python3 -m pytest -q --tb=short -rfs --no-header -p no:cacheprovider -m gpu tests \
   >"$OUT/tests.log" 2>&1; stamp "tests rc=$?: $(tail -1 "$OUT/tests.log")"
 timeout 100 compute-sanitizer --tool memcheck python3 scripts/sanitize_sm90.py >"$OUT/memcheck.log" 2>&1
 stamp "memcheck rc=$?: $(grep -E "ERROR SUMMARY|sanitize_sm90" "$OUT/memcheck.log" | tr '\n' ' ')"

@@ -189,19 +189,11 @@ def _bwd_kernel_names(args):
 
 @pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
 def test_sm90_kernel_selected(d, causal, monkeypatch):
-    """On CC 9.0 the warp-specialised wgmma kernel runs the supported cases (temporary on this branch:
-    HF_FLASH_BWD_SM90_WS=2 its dQ bulk-reduction variant, 0 the previous wgmma kernel); HF_FLASH_DISABLE_SM90=1
-    switches back to csrc/bwd."""
+    """On CC 9.0 the wgmma kernel runs the supported cases; HF_FLASH_DISABLE_SM90=1 switches back to csrc/bwd."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper backward kernel runs on compute capability 9.0 only")
     args = _bwd_args(1, 300, 4, 2, d, causal)
-    assert any(f"bwd_sm90::main_kernel_ws<true, {d}, false>" in name for name in _bwd_kernel_names(args))
-    monkeypatch.setenv("HF_FLASH_BWD_SM90_WS", "2")
-    assert any(f"bwd_sm90::main_kernel_ws<true, {d}, true>" in name for name in _bwd_kernel_names(args))
-    monkeypatch.setenv("HF_FLASH_BWD_SM90_WS", "0")
-    names = _bwd_kernel_names(args)
-    assert any("bwd_sm90::main_kernel<" in name for name in names) and not any("main_kernel_ws" in n for n in names)
-    monkeypatch.delenv("HF_FLASH_BWD_SM90_WS")
+    assert any(f"bwd_sm90::main_kernel<true, {d}>" in name for name in _bwd_kernel_names(args))
     monkeypatch.setenv("HF_FLASH_DISABLE_SM90", "1")
     names = _bwd_kernel_names(args)
     assert not any("bwd_sm90" in name for name in names) and any("bwd::main_kernel" in name for name in names)

@@ -4,7 +4,6 @@
 #pragma once
 #include "bwd/kernel.cuh"
 #include "bwd/kernel_v1.cuh"
-#include "bwd_sm90/kernel.cuh"
 #include "bwd_sm90/launch.cuh"
 
 namespace hf_flash {
@@ -40,14 +39,7 @@ cudaError_t run_bwd_hdim(const BwdParams& params, cudaStream_t stream) {
   err = cudaErrorNotSupported;  // until a Hopper kernel takes the call
   if constexpr (kHeadDim == 64 || kHeadDim == 128) {
     if (bwd_sm90::supported<kIsBf16, kHeadDim>(params)) {  // Hopper wgmma kernels for the cases they cover
-      const int variant = bwd_sm90::ws_variant();
-      if (variant > 0) {
-        err = variant == 2 ? bwd_sm90::run_main_ws<kIsBf16, kHeadDim, true>(params, dsum, dq_acc, stream)
-                           : bwd_sm90::run_main_ws<kIsBf16, kHeadDim, false>(params, dsum, dq_acc, stream);
-      } else {
-        err = bwd::launch_main(bwd_sm90::main_kernel<kIsBf16, kHeadDim>, bwd_sm90::Traits<kIsBf16, kHeadDim>::kSmemBytes,
-                               params, copies, dsum, dq_acc, ws.dq_copy_floats, stream);
-      }
+      err = bwd_sm90::run_main<kIsBf16, kHeadDim>(params, dsum, dq_acc, stream);
     }
   }
   if (err == cudaErrorNotSupported) {  // mma.sync kernels: other GPUs and features, or tensors TMA cannot describe
