@@ -30,8 +30,12 @@ done
 timeout 60 python3 scripts/bwd_ws_ab.py --smoke >"$OUT/smoke.log" 2>&1; rc=$?
 stamp "smoke rc=$rc (124: timed out, likely a hang): $(tail -1 "$OUT/smoke.log")"
 [ $rc = 0 ] || { tail -15 "$OUT/smoke.log"; exit 1; }
-timeout 240 python3 -m pytest -q --tb=short -rfs --no-header -p no:cacheprovider -m gpu tests \
+timeout 240 python3 -m pytest -q --tb=short -rfs --no-header -p no:cacheprovider -m gpu ${TESTS:-tests} \
   >"$OUT/tests.log" 2>&1; stamp "tests rc=$?: $(tail -1 "$OUT/tests.log")"
+if [ -n "${GROUP_TEST:-}" ]; then  # the same tests with sections of GROUP_TEST pairs
+  HF_FLASH_BWD_SM90_GROUP=$GROUP_TEST timeout 240 python3 -m pytest -q --tb=short -rfs --no-header -p no:cacheprovider \
+    -m gpu ${TESTS:-tests} >"$OUT/tests_group.log" 2>&1; stamp "tests (group $GROUP_TEST) rc=$?: $(tail -1 "$OUT/tests_group.log")"
+fi
 timeout 100 compute-sanitizer --tool memcheck python3 scripts/sanitize_sm90.py >"$OUT/memcheck.log" 2>&1
 stamp "memcheck rc=$?: $(grep -E "ERROR SUMMARY|sanitize_sm90" "$OUT/memcheck.log" | tr '\n' ' ')"
 if [ "${BULK_MEMCHECK:-0}" = 1 ]; then  # the dQ bulk-reduction variant (HF_FLASH_BWD_SM90_WS=2) too

@@ -70,7 +70,7 @@ struct TmaMaps {
 template <bool kIsBf16, int kHeadDim>
 __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
     main_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
-                const float* __restrict__ dsum, float* __restrict__ dq_acc, int lpt) {
+                const float* __restrict__ dsum, float* __restrict__ dq_acc, int group) {
 #ifdef HF_SM90_ENABLED
   using Tr = Traits<kIsBf16, kHeadDim>;
   constexpr int kD = kHeadDim, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
@@ -87,10 +87,13 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
   auto empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
   const uint32_t sDq = base + Tr::kDq, dq_full = kv_full + 8 * (1 + 2 * kStages), dq_empty = dq_full + 8;
 
-  // Key blocks slowest in the grid: every head's block 0 (causal: the most query blocks) starts first.
-  const int hk = lpt ? blockIdx.x : blockIdx.y, b = lpt ? blockIdx.y : blockIdx.z, groups = p.h / p.h_k;
+  // CTA order: sections of `group` (kv head, batch) pairs; in a section the key blocks are the slowest index, so
+  // every pair's block 0 (causal: the most query blocks) starts first. group = 1: one pair's blocks in a row.
+  const int pairs = p.h_k * p.b, n_blocks = gridDim.x / pairs, section = blockIdx.x / (group * n_blocks);
+  const int in_section = min(group, pairs - section * group), r = blockIdx.x - section * group * n_blocks;
+  const int pair = section * group + r % in_section, hk = pair % p.h_k, b = pair / p.h_k, groups = p.h / p.h_k;
   const bwd::Seq seq(p, b);
-  const int n0 = (lpt ? blockIdx.z : blockIdx.x) * kBlockN;
+  const int n0 = r / in_section * kBlockN;
   if (n0 >= seq.sk) return;  // varlen: past this sequence's keys (the whole CTA)
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
   const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner

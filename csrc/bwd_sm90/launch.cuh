@@ -10,10 +10,11 @@
 namespace hf_flash {
 namespace bwd_sm90 {
 
-// TEMPORARY (one A/B call): HF_FLASH_BWD_SM90_GRID=n puts the key blocks fastest in the grid (the previous order).
-inline int lpt_grid() {
-  const char* v = std::getenv("HF_FLASH_BWD_SM90_GRID");
-  return !(v && std::strcmp(v, "n") == 0);
+// TEMPORARY (one A/B call): (kv head, batch) pairs per section of the grid from HF_FLASH_BWD_SM90_GROUP (0: all).
+inline int grid_group(int pairs) {
+  const char* v = std::getenv("HF_FLASH_BWD_SM90_GROUP");
+  const int g = v ? std::atoi(v) : 1;
+  return g <= 0 || g > pairs ? pairs : g;
 }
 
 // cudaErrorNotSupported when the driver cannot describe the tensors to TMA (e.g. strides that are not multiples
@@ -45,9 +46,9 @@ cudaError_t run_main(const BwdParams& p, const float* dsum, float* dq_acc, cudaS
   auto kernel = &main_kernel<kIsBf16, kHeadDim>;
   err = allow_smem(kernel, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const int lpt = lpt_grid();
-  const dim3 grid = lpt ? dim3(p.h_k, p.b, bwd::num_n_blocks(p)) : dim3(bwd::num_n_blocks(p), p.h_k, p.b);
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, dsum, dq_acc, lpt);
+  const int pairs = p.h_k * p.b;
+  kernel<<<bwd::num_n_blocks(p) * pairs, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, dsum, dq_acc,
+                                                                                 grid_group(pairs));
   return cudaSuccess;
 }
 
