@@ -51,3 +51,7 @@ stamp "a/b rc=$?"
 grep -E "FAILED|Error|error" "$OUT/tests.log" | head -8
 cat "$OUT/sass.txt" | head -40
 tail -14 "$OUT/ab.log"
+if [ "${E2E:-0}" = 1 ]; then  # training tokens/s of the e2e benchmark (no generation)
+  timeout ${E2E_TIMEOUT:-240} python3 -m hf_flash.bench e2e --skip-generate --out "$OUT/bench" 2>&1 | tr '\r' '\n' \
+    | grep -v "e2e:" > "$OUT/e2e.log"; stamp "e2e rc=$?"; tail -12 "$OUT/e2e.log"
+fi

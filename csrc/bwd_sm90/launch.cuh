@@ -10,11 +10,23 @@
 namespace hf_flash {
 namespace bwd_sm90 {
 
-// TEMPORARY (one A/B call): (kv head, batch) pairs per section of the grid from HF_FLASH_BWD_SM90_GROUP (0: all).
-inline int grid_group(int pairs) {
-  const char* v = std::getenv("HF_FLASH_BWD_SM90_GROUP");
-  const int g = v ? std::atoi(v) : 1;
-  return g <= 0 || g > pairs ? pairs : g;
+// (kv head, batch) pairs per section of the grid (kernel.cuh: key blocks slowest within a section). Causal key
+// blocks differ in work (block 0 sees every query block), so a section must hold enough pairs that its light blocks
+// can balance its heavy ones across the SMs: heavy block ~ n_blocks units, section ~ pairs * n_blocks^2 / 2 units
+// over num_sms, hence 2 * num_sms / n_blocks pairs. Capped so the section's Q, dO (and their dQ) stay a share of
+// L2; without causality every block is alike and one pair's blocks in a row share Q, dO in L2 best. Measured on
+// the H100 (NOTES-sm90.md): 1.00-1.17x over one pair per section on causal shapes, 0.4-0.9x for all pairs in one.
+inline int grid_group(const BwdParams& p, int n_blocks) {
+  const int pairs = p.h_k * p.b;
+  if (const char* v = std::getenv("HF_FLASH_BWD_SM90_GROUP")) {  // TEMPORARY, one A/B call
+    const int g = std::atoi(v);
+    return g <= 0 || g > pairs ? pairs : g;
+  }
+  if (p.window_right != 0) return 1;  // not causal (supported() rules out other windows)
+  const int64_t pair_bytes = int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2;  // Q and dO, 16-bit
+  const int64_t cap = std::max<int64_t>(1, (int64_t(32) << 20) / std::max<int64_t>(1, pair_bytes));
+  const int64_t g = std::min<int64_t>({(2 * int64_t(p.num_sms) + n_blocks - 1) / n_blocks, cap, pairs});
+  return int(std::max<int64_t>(1, g));
 }
 
 // cudaErrorNotSupported when the driver cannot describe the tensors to TMA (e.g. strides that are not multiples
@@ -46,9 +58,9 @@ cudaError_t run_main(const BwdParams& p, const float* dsum, float* dq_acc, cudaS
   auto kernel = &main_kernel<kIsBf16, kHeadDim>;
   err = allow_smem(kernel, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const int pairs = p.h_k * p.b;
-  kernel<<<bwd::num_n_blocks(p) * pairs, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, dsum, dq_acc,
-                                                                                 grid_group(pairs));
+  const int n_blocks = bwd::num_n_blocks(p);
+  kernel<<<n_blocks * p.h_k * p.b, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, dsum, dq_acc,
+                                                                           grid_group(p, n_blocks));
   return cudaSuccess;
 }
 
