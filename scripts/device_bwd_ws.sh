@@ -46,7 +46,7 @@ if [ "${RACE:-0}" = 1 ]; then
   timeout 150 compute-sanitizer --tool racecheck python3 scripts/sanitize_sm90.py >"$OUT/racecheck.log" 2>&1
   stamp "racecheck rc=$?: $(grep -E "RACECHECK SUMMARY|sanitize_sm90" "$OUT/racecheck.log" | tr '\n' ' ')"
 fi
-timeout 150 python3 scripts/bwd_ws_ab.py $([ "${QUICK:-0}" = 1 ] && echo --quick) --out "$OUT" >"$OUT/ab.log" 2>&1
+timeout 120 python3 scripts/bwd_ws_ab.py $([ "${QUICK:-0}" = 1 ] && echo --quick) --out "$OUT" >"$OUT/ab.log" 2>&1
 stamp "a/b rc=$?"
 grep -E "FAILED|Error|error" "$OUT/tests.log" | head -8
 cat "$OUT/sass.txt" | head -40
