@@ -62,7 +62,7 @@ def llama_row(b, s):
         grads[col] = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         row[col] = triton.testing.do_bench(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
                                            warmup=25, rep=100, return_mode="median")
-    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads["all"], grads["g1"]))
+    diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads["auto"], grads["g1"]))
     scale = max(g.float().abs().max().item() for g in grads["g1"])
     print(f"llama shape: max |grad_ws - grad_prev| = {diff:.3e} (max |grad| {scale:.3e})")
     from torch.nn.attention import sdpa_kernel
