@@ -4,7 +4,7 @@
 #pragma once
 #include "bwd/kernel.cuh"
 #include "bwd/kernel_v1.cuh"
-#include "bwd_sm90/kernel.cuh"
+#include "bwd_sm90/launch.cuh"
 
 namespace hf_flash {
 namespace bwd {
@@ -36,20 +36,22 @@ cudaError_t run_bwd_hdim(const BwdParams& params, cudaStream_t stream) {
   bwd::dot_do_o_kernel<kIsBf16, kHeadDim>
       <<<(row_warps * kDotLanes + bwd::kThreads - 1) / bwd::kThreads, bwd::kThreads, 0, stream>>>(params, dsum);
 
-  if (bwd_sm90::supported<kIsBf16, kHeadDim>(params)) {  // Hopper wgmma kernel for the cases it covers
-    if constexpr (kHeadDim == 64 || kHeadDim == 128) {
-      using Tr = bwd_sm90::Traits<kIsBf16, kHeadDim>;
-      err = bwd::launch_main(bwd_sm90::main_kernel<kIsBf16, kHeadDim>, Tr::kSmemBytes, params, copies, dsum, dq_acc,
+  err = cudaErrorNotSupported;  // until a Hopper kernel takes the call
+  if constexpr (kHeadDim == 64 || kHeadDim == 128) {
+    if (bwd_sm90::supported<kIsBf16, kHeadDim>(params)) {  // Hopper wgmma kernels for the cases they cover
+      err = bwd_sm90::run_main<kIsBf16, kHeadDim>(params, dsum, dq_acc, stream);
+    }
+  }
+  if (err == cudaErrorNotSupported) {  // mma.sync kernels: other GPUs and features, or tensors TMA cannot describe
+    if constexpr (kHeadDim <= 128) {
+      using Tr = bwd::Traits<kIsBf16, kHeadDim>;
+      err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim>, Tr::kSmemBytes, params, copies, dsum, dq_acc,
+                             ws.dq_copy_floats, stream);
+    } else {
+      using Tr = bwd::TraitsV1<kIsBf16, kHeadDim>;
+      err = bwd::launch_main(bwd::main_kernel_v1<kIsBf16, kHeadDim>, Tr::kSmemBytes, params, copies, dsum, dq_acc,
                              ws.dq_copy_floats, stream);
     }
-  } else if constexpr (kHeadDim <= 128) {
-    using Tr = bwd::Traits<kIsBf16, kHeadDim>;
-    err = bwd::launch_main(bwd::main_kernel<kIsBf16, kHeadDim>, Tr::kSmemBytes, params, copies, dsum, dq_acc,
-                           ws.dq_copy_floats, stream);
-  } else {
-    using Tr = bwd::TraitsV1<kIsBf16, kHeadDim>;
-    err = bwd::launch_main(bwd::main_kernel_v1<kIsBf16, kHeadDim>, Tr::kSmemBytes, params, copies, dsum, dq_acc,
-                           ws.dq_copy_floats, stream);
   }
   if (err != cudaSuccess) return err;
 

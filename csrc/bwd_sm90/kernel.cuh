@@ -1,21 +1,32 @@
-// FlashAttention backward main kernel on Hopper wgmma (sm_90a), d64 and d128, no softcap / ALiBi / window /
-// dropout / deterministic mode (csrc/bwd handles those and every other GPU). Same preprocess, fp32 dQ
-// accumulator, convert kernel and grid as csrc/bwd (launch.cuh picks the kernel).
+// FlashAttention backward main kernel on Hopper (sm_90a), warp-specialised, d64 and d128, no softcap / ALiBi /
+// window / dropout / deterministic mode (csrc/bwd handles those and every other GPU). Same preprocess, fp32 dQ
+// accumulator, convert kernel and LSE / D conventions as csrc/bwd (launch.cuh picks the kernel).
 //
-// One CTA (2 warpgroups) per (block of 128 keys, kv head, batch): K, V resident in smem, loop over the query
-// heads of the GQA group and their query blocks (Q, dO, LSE, D double-buffered by cp.async). Warpgroup w owns
-// keys 64w..64w+63; per query block:
-//   S^T = K Q^T, dP^T = V dO^T             wgmma, both operands from smem
-//   P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T - D) scale     in registers
-//   dV += P^T dO, dK += dS^T Q             wgmma, P^T / dS^T as register A operands, dO / Q MN-major
-//   dQ = dS K                              after a barrier: dS^T from smem (MN-major A), K MN-major B;
-//                                          warpgroup w adds one 64 x 64 quarter (d64: rows; d128: columns)
-//                                          into the fp32 accumulator with 8-byte reductions.
-// Issue order dV, (barrier) dQ, dK, so the dQ reductions run under the dK wgmma (+3-6% over dK before dQ).
-// Tiles are stored in 128-byte swizzled panels (sm90/wgmma.cuh). See benchmarks/NOTES-sm90.md.
+// One CTA (3 warpgroups) per (block of 128 keys, kv head, batch); K, V resident in smem, loop over the query
+// heads of the GQA group and their query blocks:
+//   producer  (24 registers): one warp. Lane 0 issues TMA loads of K, V once (kv_full) and of Q, dO per
+//             (query head, query block) into a 2-stage ring; the 32 lanes copy that block's LSE and D rows
+//             (0 past the sequence) into the stage with cp.async. A stage's "full" mbarrier completes with the
+//             TMA bytes and the 32 lanes' cp.async arrivals, its "empty" one with the 256 consumer threads'
+//             arrivals once their last wgmma on it has retired.
+//   consumers (240 registers): warpgroup w owns keys 64w..64w+63; per query block
+//     S^T = K Q^T, dP^T = V dO^T             wgmma, both operands from smem
+//     P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T - D) scale     in registers
+//     dV += P^T dO, dK += dS^T Q             wgmma, P^T / dS^T as register A operands, dO / Q MN-major
+//     dQ = dS K                              after a named barrier (256 threads: both halves of dS^T written);
+//                                            warpgroup w computes one 64 x 64 quarter (d64: rows; d128: columns)
+//     issued dV, dQ, dK, so that the dQ reductions run under the dK wgmma. dS^T is double-buffered so a
+//     warpgroup writing block it + 1 cannot overwrite the tile the other one's dQ wgmma of block it still reads.
+// dQ reaches the fp32 accumulator by 8-byte red.global.add from the consumers (d64), or (kDqBulk, d128) through
+// one fp32 tile in shared memory (mbarriers dq_full / dq_empty) that producer warp 1 adds with one
+// cp.reduce.async.bulk per row: on the H100, 1.08-1.14x faster than red.global.add at d128, 0.81-0.85x at d64.
+// Varlen: Q / dO / K / V rows past a sequence are the next sequence's rows (zero past the tensor), all masked
+// (P = 0, dS = 0) or not stored, as in the forward. Tiles are 128-byte swizzled panels (sm90/wgmma.cuh).
+// See benchmarks/NOTES-sm90.md.
 #pragma once
 
 #include "bwd/kernel.cuh"
+#include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 
 namespace hf_flash {
@@ -23,108 +34,166 @@ namespace bwd_sm90 {
 
 template <bool kIsBf16, int kHeadDim>
 struct Traits {
-  using T = typename tile::Elem<kIsBf16>::T;
-  // 128 x 128 (d64) and 128 keys x 64 queries (d128) tiles: dK, dV and S^T, dP^T fit in 255 registers.
+  // 128 x 128 (d64) and 128 keys x 64 queries (d128) tiles: dK, dV and S^T, dP^T fit in 240 registers.
   static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = kHeadDim == 64 ? 128 : 64;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "instantiated head dims");
   static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
-  static_assert(bwd::kThreads == 256 && kBlockN == 2 * 64, "two warpgroups of 64 keys");
+  static_assert(kBlockN == 2 * 64, "two consumer warpgroups of 64 keys");
   // dQ (kBlockM x kD) in two 64 x 64 quarters: by rows when kBlockM = 128, else by columns.
   static constexpr bool kDqSplitRows = kBlockM == 128;
   static_assert((kDqSplitRows ? kD : kD / 2) == 64 && (kDqSplitRows ? kBlockM / 2 : kBlockM) == 64, "dQ quarters");
-  // Shared memory in bytes from a 1024-aligned base: K, V, 2 stages of Q and dO, dS^T, LSE, D.
+  static constexpr bool kDqBulk = kHeadDim == 128;  // measured, see the top of this file
+  static constexpr int kThreads = 3 * 128, kConsumerThreads = 2 * 128, kStages = 2;
+  // 128 * 24 + 256 * 240 <= 64K registers.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // dQ tile rows (kD fp32) padded by 32 bytes: a half-warp's 8-byte stores (4 rows x 4 column pairs) hit
+  // distinct banks; each row stays one 16-byte aligned bulk source.
+  static constexpr int kDqRowBytes = kHeadDim * 4 + 32;
+  // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, 2 dS^T tiles, the LSE and D rings, the dQ
+  // tile (kDqBulk), then the mbarriers kv_full, full[kStages], empty[kStages], dq_full, dq_empty.
   static constexpr int kKVBytes = kBlockN * kD * 2, kQBytes = kBlockM * kD * 2;
-  static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + 2 * kQBytes, kDSt = kDO + 2 * kQBytes,
-                       kLse = kDSt + kBlockN * kBlockM * 2, kDsum = kLse + 2 * kBlockM * 4,
-                       kSmemBytes = kDsum + 2 * kBlockM * 4 + 1024;  // + alignment slack
+  static constexpr int kDStBytes = kBlockN * kBlockM * 2, kRowBytes = kBlockM * 4;
+  static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kQBytes,
+                       kDSt = kDO + kStages * kQBytes, kLse = kDSt + 2 * kDStBytes,
+                       kDsum = kLse + kStages * kRowBytes, kDq = kDsum + kStages * kRowBytes,
+                       kBars = kDq + (kDqBulk ? kBlockM * kDqRowBytes : 0),
+                       kSmemBytes = kBars + (3 + 2 * kStages) * 8 + 1024;  // + alignment slack
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 };
 
-// Rows [0, kRows) x kD of a row-major tile into panels (rows >= limit zero-filled).
-template <class T, int kRows, int kD>
-__device__ __forceinline__ void load_panels(uint32_t smem, const T* gmem, int64_t row_stride, int limit) {
-  constexpr int kChunks = kD / 8, kRowStep = bwd::kThreads / kChunks;
-  static_assert(kRows % kRowStep == 0, "whole passes");
-  const int r0 = threadIdx.x / kChunks, col = threadIdx.x % kChunks * 8;
-#pragma unroll
-  for (int i = 0; i < kRows / kRowStep; ++i) {
-    const int r = r0 + i * kRowStep;
-    const bool ok = r < limit;
-    tile::cp_async16(smem + sm90::panel_offset(kRows, r, col), ok ? gmem + r * row_stride + col : gmem, ok);
-  }
-}
+// TMA maps of q, dout (boxes of kBlockM rows) and k, v (kBlockN rows): dims (d, heads, rows, batch), 64-column
+// boxes (launch.cuh makes them; varlen tensors are one batch of total rows).
+struct TmaMaps {
+  CUtensorMap q, dout, k, v;
+};
 
 template <bool kIsBf16, int kHeadDim>
-__global__ void __launch_bounds__(bwd::kThreads, 1)
-    main_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, size_t) {
+__global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
+    main_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
+                const float* __restrict__ dsum, float* __restrict__ dq_acc, int group) {
 #ifdef HF_SM90_ENABLED
   using Tr = Traits<kIsBf16, kHeadDim>;
-  using T = typename Tr::T;
-  constexpr int kD = Tr::kD, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM;
+  constexpr int kD = kHeadDim, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
+  constexpr int kQBytes = Tr::kQBytes;
+  constexpr bool kDqBulk = Tr::kDqBulk;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t raw = tile::smem_u32(smem_raw), base = (raw + 1023) & ~1023u;
-  float* s_lse = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kLse);    // [stage][row] LSE * log2(e)
-  float* s_dsum = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kDsum);  // [stage][row] D * scale
-  const uint32_t sK = base + Tr::kK, sV = base + Tr::kV, sDSt = base + Tr::kDSt;
-  const int tid = threadIdx.x, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int hk = blockIdx.y, b = blockIdx.z, groups = p.h / p.h_k;
-  const bwd::Seq seq(p, b);
-  const int n0 = blockIdx.x * kBlockN;
-  if (n0 >= seq.sk) return;  // varlen: past this sequence's keys (the whole CTA)
-  const int off = seq.sk - seq.sq;
-  const bool causal = p.window_right == 0;  // else unmasked (supported() rules out windows)
+  float* s_lse = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kLse);    // [stage][row] LSE
+  float* s_dsum = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kDsum);  // [stage][row] D
+  const uint32_t sK = base + Tr::kK, sV = base + Tr::kV, kv_full = base + Tr::kBars;
+  auto sQ = [&](int st) { return base + Tr::kQ + st * kQBytes; };
+  auto sDO = [&](int st) { return base + Tr::kDO + st * kQBytes; };
+  auto full = [&](int st) { return kv_full + 8 * (1 + st); };
+  auto empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
+  const uint32_t sDq = base + Tr::kDq, dq_full = kv_full + 8 * (1 + 2 * kStages), dq_empty = dq_full + 8;
 
-  load_panels<T, kBlockN, kD>(sK, static_cast<const T*>(p.k) + p.k_batch_stride * b +
-                                      int64_t(seq.k0 + n0) * p.k_row_stride + hk * p.k_head_stride,
-                              p.k_row_stride, seq.sk - n0);
-  load_panels<T, kBlockN, kD>(sV, static_cast<const T*>(p.v) + p.v_batch_stride * b +
-                                      int64_t(seq.k0 + n0) * p.v_row_stride + hk * p.v_head_stride,
-                              p.v_row_stride, seq.sk - n0);
-  tile::cp_async_commit();
+  // CTA order: sections of `group` (kv head, batch) pairs; in a section the key blocks are the slowest index, so
+  // every pair's block 0 (causal: the most query blocks) starts first. group = 1: one pair's blocks in a row.
+  const int pairs = p.h_k * p.b, n_blocks = gridDim.x / pairs, section = blockIdx.x / (group * n_blocks);
+  const int in_section = min(group, pairs - section * group), r = blockIdx.x - section * group * n_blocks;
+  const int pair = section * group + r % in_section, hk = pair % p.h_k, b = pair / p.h_k, groups = p.h / p.h_k;
+  const bwd::Seq seq(p, b);
+  const int n0 = r / in_section * kBlockN;
+  if (n0 >= seq.sk) return;  // varlen: past this sequence's keys (the whole CTA)
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
   const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner
 
-  // Q, dO, LSE and D of (head, m0) into stage st, one cp.async group.
-  auto issue_loads = [&](int st, int head, int m0) {
-    load_panels<T, kBlockM, kD>(base + Tr::kQ + st * Tr::kQBytes,
-                                static_cast<const T*>(p.q) + p.q_batch_stride * b +
-                                    int64_t(seq.q0 + m0) * p.q_row_stride + head * p.q_head_stride,
-                                p.q_row_stride, seq.sq - m0);
-    load_panels<T, kBlockM, kD>(base + Tr::kDO + st * Tr::kQBytes,
-                                static_cast<const T*>(p.dout) + p.do_batch_stride * b +
-                                    int64_t(seq.q0 + m0) * p.do_row_stride + head * p.do_head_stride,
-                                p.do_row_stride, seq.sq - m0);
-    if (tid < kBlockM) {  // rows past the end read as 0; they are masked
-      const int i = m0 + tid;
-      const bool ok = i < seq.sq;
-      const int64_t lse_idx = p.cu_seqlens_q ? head * p.lse_head_stride + seq.q0 + i
-                                             : b * p.lse_batch_stride + head * p.lse_head_stride + i;
-      bwd::cp_async4(tile::smem_u32(s_lse + st * kBlockM + tid), ok ? p.lse + lse_idx : p.lse, ok);
-      bwd::cp_async4(tile::smem_u32(s_dsum + st * kBlockM + tid),
-                     ok ? dsum + int64_t(head) * p.total_q + seq.ws0 + i : dsum, ok);
+  if (threadIdx.x == 0) {
+    sm90::mbar_init(kv_full, 1);
+    for (int st = 0; st < kStages; ++st) {
+      sm90::mbar_init(full(st), 32);
+      sm90::mbar_init(empty(st), Tr::kConsumerThreads);
     }
-    tile::cp_async_commit();
-  };
+    sm90::mbar_init(dq_full, Tr::kConsumerThreads);
+    sm90::mbar_init(dq_empty, 32);
+    sm90::mbar_init_fence();
+  }
+  __syncthreads();
 
+  // ---- producer: warp 0 loads, warp 1 adds the dQ tiles (kDqBulk) -----------------------------------
+  if (threadIdx.x < 128) {
+    sm90::regs_dealloc<Tr::kProducerRegs>();
+    if (kDqBulk && threadIdx.x / 32 == 1) {
+      const int lane = threadIdx.x % 32;
+      int head = hk * groups, mi = 0;
+#pragma unroll 1  // the producer loops stay rolled: 24 registers
+      for (int it = 0; it < iters; ++it) {
+        const int m0 = (kb.m_begin + mi) * kBlockM;
+        sm90::mbar_wait(dq_full, it & 1);
+#pragma unroll
+        for (int i = 0; i < kBlockM / 32; ++i) {  // rows past the sequence are not added
+          const int r = lane + 32 * i;
+          if (m0 + r < seq.sq) {
+            sm90::bulk_reduce_add_f32(dq_acc + (int64_t(seq.ws0 + m0 + r) * p.h + head) * kD,
+                                      sDq + r * Tr::kDqRowBytes, kD * 4);
+          }
+        }
+        sm90::bulk_commit();
+        sm90::bulk_wait_read<0>();  // the tile may be overwritten
+        sm90::mbar_arrive(dq_empty);
+        mi = mi + 1 < kb.m_count ? mi + 1 : 0;
+        head += mi == 0;
+      }
+      sm90::bulk_wait<0>();  // the additions are done before the thread exits
+    }
+    if (threadIdx.x >= 32) return;
+    const int lane = threadIdx.x, tma_b = p.cu_seqlens_q ? 0 : b;
+    if (lane == 0) {
+      sm90::mbar_arrive_expect_tx(kv_full, 2 * Tr::kKVBytes);
+      for (int panel = 0; panel < kD / 64; ++panel) {
+        sm90::tma_load_4d(sK + panel * kBlockN * 128, &maps.k, kv_full, panel * 64, hk, seq.k0 + n0, tma_b);
+        sm90::tma_load_4d(sV + panel * kBlockN * 128, &maps.v, kv_full, panel * 64, hk, seq.k0 + n0, tma_b);
+      }
+    }
+    int head = hk * groups, mi = 0;
+#pragma unroll 1
+    for (int it = 0; it < iters; ++it) {
+      const int st = it % kStages, m0 = (kb.m_begin + mi) * kBlockM;
+      if (it >= kStages) sm90::mbar_wait(empty(st), (it / kStages - 1) & 1);
+      if (lane == 0) {
+        sm90::mbar_expect_tx(full(st), 2 * kQBytes);
+        for (int panel = 0; panel < kD / 64; ++panel) {
+          sm90::tma_load_4d(sQ(st) + panel * kBlockM * 128, &maps.q, full(st), panel * 64, head, seq.q0 + m0, tma_b);
+          sm90::tma_load_4d(sDO(st) + panel * kBlockM * 128, &maps.dout, full(st), panel * 64, head, seq.q0 + m0,
+                            tma_b);
+        }
+      }
+      const float* lse = p.lse + (p.cu_seqlens_q ? head * p.lse_head_stride + seq.q0
+                                                 : b * p.lse_batch_stride + head * p.lse_head_stride);
+      const float* d = dsum + int64_t(head) * p.total_q + seq.ws0;
+#pragma unroll
+      for (int i = 0; i < kBlockM / 32; ++i) {  // rows past the end read as 0; they are masked
+        const int r = lane + 32 * i;
+        const bool ok = m0 + r < seq.sq;
+        const int src = ok ? m0 + r : 0;
+        bwd::cp_async4(tile::smem_u32(s_lse + st * kBlockM + r), lse + src, ok);
+        bwd::cp_async4(tile::smem_u32(s_dsum + st * kBlockM + r), d + src, ok);
+      }
+      sm90::cp_async_mbar_arrive(full(st));  // asynchronous: no registers held for the copies in flight
+      mi = mi + 1 < kb.m_count ? mi + 1 : 0;
+      head += mi == 0;
+    }
+    tile::cp_async_wait<0>();  // no copy of this thread in flight when it exits
+    return;
+  }
+
+  // ---- consumers -------------------------------------------------------------------------------
+  sm90::regs_alloc<Tr::kConsumerRegs>();
+  const int tid = threadIdx.x - 128, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int off = seq.sk - seq.sq;
+  const bool causal = p.window_right == 0;  // else unmasked (supported() rules out windows)
   float dv[kD / 8][4] = {}, dk[kD / 8][4] = {};  // this warpgroup's 64 keys (GQA: summed over the group)
   float s[kBlockM / 8][4] = {}, dp[kBlockM / 8][4] = {}, dq[8][4] = {};
   const int key0 = n0 + 64 * wg + 16 * warp + g;  // this thread's keys: key0, key0 + 8
   int head = hk * groups, mi = 0;                  // of iteration it
-  if (iters > 0) issue_loads(0, head, kb.m_begin * kBlockM);
+  sm90::mbar_wait(kv_full, 0);                     // also: no TMA lands after the CTA (iters == 0)
 
   for (int it = 0; it < iters; ++it) {
-    const int st = it % 2, m0 = (kb.m_begin + mi) * kBlockM;
-    const int next_mi = mi + 1 < kb.m_count ? mi + 1 : 0, next_head = next_mi ? head : head + 1;
-    tile::cp_async_wait<0>();
-    if (tid < kBlockM) {  // this thread's LSE/D copies have landed; scale them once for the pointwise code
-      s_lse[st * kBlockM + tid] *= bwd::kLog2e;
-      s_dsum[st * kBlockM + tid] *= p.softmax_scale;
-    }
-    sm90::fence_proxy_async();  // this thread's cp.async data, visible to wgmma after the barrier
-    __syncthreads();            // stage st landed; iteration it - 1 is done with stage st ^ 1 and dS^T
-    if (it + 1 < iters) issue_loads(st ^ 1, next_head, (kb.m_begin + next_mi) * kBlockM);
-    const uint32_t sQ = base + Tr::kQ + st * Tr::kQBytes, sDO = base + Tr::kDO + st * Tr::kQBytes;
-    const float* lse2 = s_lse + st * kBlockM;
-    const float* dsum_scaled = s_dsum + st * kBlockM;
+    const int st = it % kStages, m0 = (kb.m_begin + mi) * kBlockM;
+    const uint32_t q_s = sQ(st), do_s = sDO(st), dst_s = base + Tr::kDSt + (it % 2) * Tr::kDStBytes;
+    const float* lse_st = s_lse + st * kBlockM;
+    const float* dsum_st = s_dsum + st * kBlockM;
+    sm90::mbar_wait(full(st), (it / kStages) & 1);
 
     // S^T = K Q^T and dP^T = V dO^T over d (this warpgroup's 64 key rows of K / V, all query rows of Q / dO),
     // K-major operands: k16 steps walk the 128-byte panel rows in 32 bytes; one commit group each.
@@ -138,39 +207,47 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
       sm90::commit();
     };
     sm90::fence();
-    gemm_keys(sK, sQ, s);
-    gemm_keys(sV, sDO, dp);
+    gemm_keys(sK, q_s, s);
+    gemm_keys(sV, do_s, dp);
 
     // P^T (masked: causal diagonal, sequence ends) into the A fragments of dV += P^T dO.
     sm90::wait<1>();
     sm90::fence_operand(s);
-    const bool full = n0 + kBlockN <= seq.sk && m0 + kBlockM <= seq.sq && (!causal || n0 + kBlockN - 1 <= m0 + off);
+    const bool all_visible =
+        n0 + kBlockN <= seq.sk && m0 + kBlockM <= seq.sq && (!causal || n0 + kBlockN - 1 <= m0 + off);
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
+      float2 l2 = *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t);
+      l2.x *= bwd::kLog2e;  // (kernel.cuh scales in shared memory: same products)
+      l2.y *= bwd::kLog2e;
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int key = key0 + 8 * (r / 2), row = m0 + 8 * j + 2 * t + r % 2;
         const float prob = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -(r % 2 ? l2.y : l2.x)));
-        s[j][r] = full || (row < seq.sq && key < seq.sk && (!causal || key <= row + off)) ? prob : 0.f;
+        s[j][r] = all_visible || (row < seq.sq && key < seq.sk && (!causal || key <= row + off)) ? prob : 0.f;
       }
       pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
       pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
     }
-    // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q and the dS^T tile for dQ.
+    // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q and this block's dS^T tile for dQ.
     sm90::wait<0>();
     sm90::fence_operand(dp);
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
-      const float2 dsc = *reinterpret_cast<const float2*>(dsum_scaled + 8 * j + 2 * t);
+      float2 dsc = *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t);
+      dsc.x *= p.softmax_scale;
+      dsc.y *= p.softmax_scale;
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         const uint32_t packed = tile::pack2<kIsBf16>(s[j][2 * h2] * fmaf(dp[j][2 * h2], p.softmax_scale, -dsc.x),
                                                      s[j][2 * h2 + 1] * fmaf(dp[j][2 * h2 + 1], p.softmax_scale, -dsc.y));
         dsa[j / 2][(j % 2) * 2 + h2] = packed;
-        const int kr = 64 * wg + 16 * warp + g + 8 * h2;  // key row of the CTA's dS^T tile
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDSt + sm90::panel_offset(kBlockN, kr, 8 * j + 2 * t)),
+        // Key row kr = 64 wg + 16 warp + g + 8 h2 of the CTA's dS^T tile: its 16-byte chunk j % 8 of a panel
+        // sits at chunk (j % 8) ^ g, and panel_offset(kBlockN, kr, 2t) carries g in address bits 4..6, so one
+        // XOR reaches it (keeps ptxas from holding 8 swizzled offsets per row in registers across the loop).
+        const uint32_t row = dst_s + sm90::panel_offset(kBlockN, 64 * wg + 16 * warp + g + 8 * h2, 2 * t);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kBlockN * 128),
                      "r"(packed));
       }
     }
@@ -180,40 +257,54 @@ __global__ void __launch_bounds__(bwd::kThreads, 1)
     sm90::fence_operand(dk);
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk)
-      sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc(sDO + kk * 2048, kBlockM * 128), true);
+      sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc(do_s + kk * 2048, kBlockM * 128), true);
     sm90::commit();
     sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
-    __syncthreads();            // dS^T complete
+    sm90::named_barrier_sync(1, Tr::kConsumerThreads);  // both halves of dS^T written
 
     // dQ quarter = dS K over the 128 keys: dS^T panels (MN-major A), K panels (MN-major B).
     const int wm = Tr::kDqSplitRows ? wg : 0, wd = Tr::kDqSplitRows ? 0 : wg;
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
-      sm90::mma_ss<64, kIsBf16, 1, 1>(dq, sm90::desc(sDSt + wm * kBlockN * 128 + kk * 2048, kBlockN * 128),
+      sm90::mma_ss<64, kIsBf16, 1, 1>(dq, sm90::desc(dst_s + wm * kBlockN * 128 + kk * 2048, kBlockN * 128),
                                       sm90::desc(sK + wd * kBlockN * 128 + kk * 2048, kBlockN * 128), kk > 0);
     sm90::commit();
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk)
-      sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc(sQ + kk * 2048, kBlockM * 128), true);
+      sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc(q_s + kk * 2048, kBlockM * 128), true);
     sm90::commit();
-    sm90::wait<1>();  // dQ done; dK runs under the reductions
+    sm90::wait<1>();  // dQ done; dK runs under the reductions / the dQ tile stores
     sm90::fence_operand(dq);
+    if constexpr (kDqBulk) {
+      if (it > 0) sm90::mbar_wait(dq_empty, (it - 1) & 1);  // warp 1 has read the previous tile
 #pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
-      const int i = m0 + 64 * wm + 16 * warp + g + 8 * h2;
-      if (i < seq.sq) {
-        float* dst = dq_acc + (int64_t(seq.ws0 + i) * p.h + head) * kD + 64 * wd + 2 * t;
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const uint32_t row = sDq + (64 * wm + 16 * warp + g + 8 * h2) * Tr::kDqRowBytes + (64 * wd + 2 * t) * 4;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) bwd::red_add2(dst + 8 * j, dq[j][2 * h2], dq[j][2 * h2 + 1]);
+        for (int j = 0; j < 8; ++j)
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(row + 32 * j), "f"(dq[j][2 * h2]),
+                       "f"(dq[j][2 * h2 + 1]));
+      }
+      sm90::fence_proxy_async();  // the stores, visible to the bulk reductions of warp 1
+      sm90::mbar_arrive(dq_full);
+    } else {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const int i = m0 + 64 * wm + 16 * warp + g + 8 * h2;
+        if (i < seq.sq) {
+          float* dst = dq_acc + (int64_t(seq.ws0 + i) * p.h + head) * kD + 64 * wd + 2 * t;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) bwd::red_add2(dst + 8 * j, dq[j][2 * h2], dq[j][2 * h2 + 1]);
+        }
       }
     }
     sm90::wait<0>();
     sm90::fence_operand(dv);
     sm90::fence_operand(dk);
-    head = next_head;
-    mi = next_mi;
+    sm90::mbar_arrive(empty(st));  // this thread's wgmmas on stage st and its LSE / D reads are done
+    mi = mi + 1 < kb.m_count ? mi + 1 : 0;
+    head += mi == 0;
   }
-  tile::cp_async_wait<0>();  // no copy may land after the CTA is done (K/V when iters == 0)
 
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {

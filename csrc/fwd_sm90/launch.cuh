@@ -22,10 +22,8 @@ cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
   const bool varlen = p.cu_seqlens_q != nullptr;
   auto make_map = [&](CUtensorMap* map, const void* ptr, int heads, int rows, int64_t head_stride,
                       int64_t row_stride, int64_t batch_stride, int box_rows) {
-    const int batches = varlen ? 1 : p.b;
-    const uint64_t dims[4] = {uint64_t(p.d), uint64_t(heads), uint64_t(rows), uint64_t(batches)};
-    const int64_t strides[3] = {head_stride, row_stride, batches == 1 ? row_stride * rows : batch_stride};
-    return sm90::make_tensor_map_4d(map, ptr, kIsBf16, dims, strides, box_rows);
+    return sm90::make_rows_map(map, ptr, kIsBf16, p.d, heads, rows, varlen ? 1 : p.b, head_stride, row_stride,
+                               batch_stride, box_rows);
   };
   fwd_sm90::TmaMaps maps;
   cudaError_t err = make_map(&maps.q, p.q, p.h, varlen ? p.total_q : p.seqlen_q, p.q_head_stride, p.q_row_stride,

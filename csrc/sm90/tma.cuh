@@ -24,12 +24,26 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
   asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n"
                ::"r"(bar), "r"(bytes) : "memory");
 }
+// Adds `bytes` of expected TMA data to the current phase without an arrival (the issuing thread arrives later).
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One arrival on `bar` once all of this thread's earlier cp.async copies have landed (counted in mbar_init's count).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 // Blocks until the phase with parity `phase` has completed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int phase) {
   asm volatile(
       "{\n.reg .pred done;\nwait_%=:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(phase) : "memory");
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) among `threads` threads (a multiple of 32) of the CTA, e.g. the
+// consumer warpgroups of a warp-specialised kernel without its producer.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // ---- TMA ------------------------------------------------------------------------------
@@ -41,6 +55,21 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }
+
+// ---- bulk (non-tensor) reductions ------------------------------------------------------------
+// gmem[0 .. bytes / 4) += the fp32 values at smem (both 16-byte aligned, bytes a multiple of 16), asynchronously;
+// one bulk group per commit.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, uint32_t smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(gmem), "r"(smem), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// At most kPending of this thread's bulk groups still read shared memory (the source may be reused).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory"); }
+// At most kPending of this thread's bulk groups are incomplete (their global writes included).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory"); }
 
 // ---- register reallocation between warpgroups ----------------------------------------------
 template <int kRegs>
@@ -74,6 +103,17 @@ inline cudaError_t make_tensor_map_4d(CUtensorMap* map, const void* ptr, bool is
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
+}
+
+// The map of a (batch, rows, heads, d) tensor with element strides (batch, row, head) as dims (d, heads, rows,
+// batch), boxes of 64 columns x one head x box_rows rows; with batches == 1 (e.g. varlen tensors: one batch of all
+// their rows) batch_stride is unused.
+inline cudaError_t make_rows_map(CUtensorMap* map, const void* ptr, bool is_bf16, int d, int heads, int rows,
+                                 int batches, int64_t head_stride, int64_t row_stride, int64_t batch_stride,
+                                 uint32_t box_rows) {
+  const uint64_t dims[4] = {uint64_t(d), uint64_t(heads), uint64_t(rows), uint64_t(batches)};
+  const int64_t strides[3] = {head_stride, row_stride, batches == 1 ? row_stride * rows : batch_stride};
+  return make_tensor_map_4d(map, ptr, is_bf16, dims, strides, box_rows);
 }
 
 }  // namespace sm90
