@@ -27,7 +27,9 @@ void check_rows(const at::Tensor& t) {
   }
 }
 
-void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool varlen) {
+// exact_head_dim: the forward and backward kernels take exactly an instantiated head dim; the decode kernel any
+// multiple of 8 up to 256 (it runs the next instantiated one, zero-filling and skipping the columns past d).
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool varlen, bool exact_head_dim) {
   TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "hf_flash: q, k, v must be CUDA tensors");
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "hf_flash: the CUDA kernels take float16 or bfloat16, got ", q.scalar_type());
@@ -37,9 +39,14 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bo
   TORCH_CHECK(q.dim() == dims && k.dim() == dims && v.dim() == dims, "hf_flash: q, k, v must be ", dims, "-D");
   for (const auto* t : {&q, &k, &v}) check_rows(*t);
   const int64_t d = q.size(-1);
-  bool known = false;
-  for (int hd : kHeadDims) known |= (d == hd);
-  TORCH_CHECK(known, "hf_flash: kernel head dim must be one of 32/64/96/128/192/256, got ", d);
+  if (exact_head_dim) {
+    bool known = false;
+    for (int hd : kHeadDims) known |= (d == hd);
+    TORCH_CHECK(known, "hf_flash: kernel head dim must be one of 32/64/96/128/192/256, got ", d);
+  } else {
+    TORCH_CHECK(d % 8 == 0 && d >= 8 && d <= 256, "hf_flash: decode head dim must be a multiple of 8 up to 256, got ",
+                d);
+  }
   TORCH_CHECK(k.size(-1) == d && v.size(-1) == d, "hf_flash: q, k, v head dims differ");
   TORCH_CHECK(q.size(-2) % k.size(-2) == 0, "hf_flash: query heads must be a multiple of key/value heads");
   TORCH_CHECK(k.sizes() == v.sizes(), "hf_flash: k and v shapes differ");
@@ -127,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor> cuda_fwd(
     int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const c10::optional<at::Tensor>& rng_state) {
   const bool varlen = cu_seqlens_q.has_value();
-  check_qkv(q, k, v, varlen);
+  check_qkv(q, k, v, varlen, true);
   check_arch();
   c10::cuda::CUDAGuard guard(q.device());
   auto o = at::empty_like(q);
@@ -151,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor> cuda_fwd_kvcache(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
     const c10::optional<at::Tensor>& cache_leftpad, double softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
-  check_qkv(q, k_cache, v_cache, false);
+  check_qkv(q, k_cache, v_cache, false, q.size(1) > kDecodeMaxSeqlenQ);
   check_arch();
   TORCH_CHECK(k_cache.size(0) == q.size(0), "hf_flash: k_cache and q batch sizes differ");
   TORCH_CHECK(cache_seqlens.is_contiguous(), "hf_flash: cache_seqlens must be contiguous");
@@ -198,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_bwd(
     int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const c10::optional<at::Tensor>& rng_state, bool deterministic) {
   const bool varlen = cu_seqlens_q.has_value();
-  check_qkv(q, k, v, varlen);
+  check_qkv(q, k, v, varlen, true);
   check_arch();
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "hf_flash: dout and out must have q's shape");
   check_rows(dout);

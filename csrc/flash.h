@@ -27,7 +27,8 @@ struct FwdParams {
   // varlen: lse[h*lse_head_stride + cu_seqlens_q[b] + i]   (FA2 layout (h, total_q))
   int64_t lse_batch_stride, lse_head_stride;
 
-  int b, h, h_k, d;
+  int b, h, h_k;
+  int d;                   // head dim; the decode kernel runs the next instantiated one (columns past d: zero)
   int seqlen_q, seqlen_k;  // dense lengths; varlen: max_seqlen_q / max_seqlen_k
   int total_q;             // rows of q (b*seqlen_q when dense)
   int total_k;             // rows of k / v (b*seqlen_k when dense)

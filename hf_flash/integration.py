@@ -14,7 +14,7 @@ notes in the repository's docs):
 * models with ``_compatible_flash_implementations`` rewrite any flash name to
   their own kernel: ``hf_flash.patches`` adds ours to the list of the class being loaded.
 
-Generation steps (at most ``DECODE_MAX_QUERY`` new tokens against a KV cache) skip the wrapper,
+Generation steps (at most ``ops.DECODE_MAX_SEQLEN_Q`` new tokens against a KV cache) skip the wrapper,
 which unpads with ``nonzero()`` and a host sync in every layer and gathers the whole cache: they
 call ``flash_attn_with_kvcache`` on transformers' cache tensors as they are (a static cache's
 buffer too), each row's keys being the run of ones of its padding mask, found by tensor ops.
@@ -34,7 +34,6 @@ logger = logging.getLogger("hf_flash")
 NAME = "hf_flash"
 PAGED_NAME = f"paged|{NAME}"
 MIN_TRANSFORMERS = (5, 17)
-DECODE_MAX_QUERY = 16  # decode and speculative steps; longer queries (prefill) go through the wrapper
 
 
 class UnsupportedAttentionError(ValueError):
@@ -107,7 +106,7 @@ def _is_decode_step(module, query, key, value, mask, kwargs) -> bool:
     """A few new queries against a KV cache, inference only, no packing (varlen kwargs) and no paged cache."""
     q_len, kv_len = query.shape[2], key.shape[2]
     grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    return (q_len <= DECODE_MAX_QUERY and (kv_len > q_len or (mask is not None and mask.shape[-1] < kv_len))
+    return (q_len <= ops.DECODE_MAX_SEQLEN_Q and (kv_len > q_len or (mask is not None and mask.shape[-1] < kv_len))
             and (mask is None or mask.shape[-1] <= kv_len) and not grad and not kwargs.get("dropout")
             and all(kwargs.get(name) is None for name in ("cache", "cu_seq_lens_q", "cu_seq_lens_k"))
             and query.dtype == key.dtype == value.dtype and query.shape[-1] == key.shape[-1] == value.shape[-1]

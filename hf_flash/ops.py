@@ -26,6 +26,9 @@ from . import reference
 logger = logging.getLogger("hf_flash")
 
 KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+# Query rows the split-KV decode kernel takes (kDecodeMaxSeqlenQ, csrc/flash.h): decode and speculative steps;
+# longer queries against a KV cache (and prefill in transformers) run the forward kernel.
+DECODE_MAX_SEQLEN_Q = 16
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -42,7 +45,7 @@ def extension_status() -> tuple[bool, str]:
 
 
 def kernel_head_dim(d: int) -> Optional[int]:
-    """Smallest compiled head dim >= d (inputs are zero-padded up to it)."""
+    """Smallest compiled head dim >= d (the kernel that runs d)."""
     return next((k for k in KERNEL_HEAD_DIMS if k >= d), None)
 
 
@@ -79,15 +82,17 @@ def uses_kernels(q: Tensor) -> bool:
     return backend == "cuda"
 
 
-def _for_kernel(x):
-    """Q/K/V-like tensors as the kernels take them: a compiled head dim (zero
-    padding does not change q.k or add output columns), 16-byte aligned rows; int32 lengths contiguous."""
+def _for_kernel(x, exact_head_dim: bool):
+    """Q/K/V-like tensors as the kernels take them: 16-byte aligned rows whose head dim is a compiled one
+    (``exact_head_dim``: the forward and backward kernels) or a multiple of 8 (the decode kernel zero-fills the
+    columns up to the next compiled head dim itself, so a KV cache of head dim 80 is read in place); zero
+    padding changes neither q.k nor the output's first d columns. int32 lengths contiguous."""
     if isinstance(x, Tensor) and x.dtype == torch.int32:
         return x.contiguous()
     if not isinstance(x, Tensor) or x.dim() < 3 or x.dtype not in KERNEL_DTYPES:
         return x
     d = x.shape[-1]
-    kd = kernel_head_dim(d)
+    kd = kernel_head_dim(d) if exact_head_dim else -(-d // 8) * 8
     if kd != d:
         return torch.nn.functional.pad(x, (0, kd - d))
     # 16-byte cp.async loads need aligned base pointers and row/head/batch strides.
@@ -110,7 +115,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seql
     if not uses_kernels(q):
         return reference.fwd(*args)
     d = q.shape[-1]
-    out, lse = torch.ops.hf_flash._cuda_fwd(*map(_for_kernel, args))
+    out, lse = torch.ops.hf_flash._cuda_fwd(*(_for_kernel(x, exact_head_dim=True) for x in args))
     return out[..., :d], lse
 
 
@@ -130,7 +135,7 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     if not uses_kernels(q):
         return reference.bwd(*args)
     d = q.shape[-1]
-    dq, dk, dv = torch.ops.hf_flash._cuda_bwd(*map(_for_kernel, args), deterministic)
+    dq, dk, dv = torch.ops.hf_flash._cuda_bwd(*(_for_kernel(x, exact_head_dim=True) for x in args), deterministic)
     return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
@@ -150,8 +155,8 @@ def _fwd_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Ten
             softcap, alibi_slopes, num_splits)
     if not uses_kernels(q):
         return reference.fwd_kvcache(*args)
-    d = q.shape[-1]
-    out, lse = torch.ops.hf_flash._cuda_fwd_kvcache(*map(_for_kernel, args))
+    d, exact = q.shape[-1], q.shape[1] > DECODE_MAX_SEQLEN_Q  # the forward kernel takes compiled head dims only
+    out, lse = torch.ops.hf_flash._cuda_fwd_kvcache(*(_for_kernel(x, exact) for x in args))
     return out[..., :d], lse
 
 

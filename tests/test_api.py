@@ -157,6 +157,20 @@ def test_kvcache_bad_lengths_raise_clear_errors(kwargs, error, message):
         flash_attn_with_kvcache(q, k, v, **kwargs)
 
 
+@pytest.mark.parametrize("d,decode_d,kernel_d", [(80, 80, 96), (40, 40, 64), (20, 24, 32), (128, 128, 128)])
+def test_kernel_layout_reads_kv_cache_in_place(d, decode_d, kernel_d):
+    """The decode kernel reads any multiple-of-8 head dim in place (no per-step copy of a d80 KV cache); the
+    forward and backward kernels get a compiled head dim (zero padding)."""
+    from hf_flash.ops import _for_kernel
+
+    cache = torch.randn(2, 64, 4, d, dtype=torch.bfloat16)
+    decode = _for_kernel(cache, exact_head_dim=False)
+    assert decode.shape[-1] == decode_d and (decode.data_ptr() == cache.data_ptr()) == (decode_d == d)
+    exact = _for_kernel(cache, exact_head_dim=True)
+    assert exact.shape[-1] == kernel_d and torch.equal(exact[..., :d], cache)
+    assert not exact[..., d:].any()
+
+
 def test_kvcache_fwd_op_opcheck():
     q, k, v = qkv(b=2, sq=3, sk=11, h=4, hk=2, d=16)
     args = (q, k, v, torch.tensor([11, 6], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32), 0.25, True,

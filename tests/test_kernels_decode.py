@@ -101,18 +101,21 @@ def test_masks_softcap_alibi(dtype, sq, causal, window, softcap, alibi, num_spli
           num_splits=num_splits)
 
 
-@pytest.mark.parametrize("d", [32, 80, 96, 256])  # 80 runs zero-padded to the d96 kernel
-@pytest.mark.parametrize("sq", [1, 16])
-def test_head_dims(d, sq):
+# 40 / 80 / 136 run in place on the d64 / d96 / d192 kernels (columns past d zero-filled, never stored);
+# 20 is padded to 24 (16-byte rows) and runs on the d32 kernel. num_splits 3: the fp32 partials (rows of d).
+@pytest.mark.parametrize("d", [20, 32, 40, 80, 96, 136, 256])
+@pytest.mark.parametrize("sq,num_splits", [(1, 0), (1, 3), (16, 0)])
+def test_head_dims(d, sq, num_splits):
     b, s_cache, h, h_k = 3, 1500, 8, 1
     k_cache, v_cache = make_cache(b, s_cache, h_k, d, torch.bfloat16)
     ends, starts = ragged(b, s_cache, generator())
-    check(randn(b, sq, h, d, dtype=torch.bfloat16), k_cache, v_cache, ends, starts, causal=True)
+    check(randn(b, sq, h, d, dtype=torch.bfloat16), k_cache, v_cache, ends, starts, causal=True,
+          num_splits=num_splits)
 
 
-@pytest.mark.parametrize("sq", [17, 64])  # past the decode kernel: the forward kernel with leftpad
-def test_forward_kernel_leftpad(sq):
-    b, s_cache, h, h_k, d = 3, 900, 8, 2, 64
+@pytest.mark.parametrize("sq,d", [(17, 64), (64, 64), (17, 80)])  # past the decode kernel: the forward kernel
+def test_forward_kernel_leftpad(sq, d):
+    b, s_cache, h, h_k = 3, 900, 8, 2
     k_cache, v_cache = make_cache(b, s_cache, h_k, d, torch.float16)
     ends, starts = ragged(b, s_cache, generator())
     check(randn(b, sq, h, d, dtype=torch.float16), k_cache, v_cache, ends, starts, causal=True)

@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
   constexpr int kChunks = kD / 8;  // 16-byte chunks per row
   for (int idx = threadIdx.x; idx < kBlockM * kChunks; idx += Tr::kThreads) {
     const int r = idx / kChunks, c = idx % kChunks;
-    const bool valid = r0 + r < rows;
+    const bool valid = r0 + r < rows && c * 8 < p.d;  // columns past d: zero (fwd::load_tile)
     const T* src = static_cast<const T*>(p.q) + batch * p.q_batch_stride +
                    int64_t(valid ? query_of(r) : 0) * p.q_row_stride + (valid ? head_of(r) : 0) * p.q_head_stride;
     tile::cp_async16(sQ + tile::swizzle<W::kRowBytes>(r, c * 16), src + c * 8, valid);
@@ -82,8 +82,9 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
   auto load_step = [&](int it) {
     const int n0 = (c0 + warp + it * kWarps) * kBlockN;
     const uint32_t sk = sKV + it % kStages * Tr::kStageBytes;
-    fwd::load_tile<W, kBlockN>(sk, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0, lane);
-    fwd::load_tile<W, kBlockN>(sk + W::kSmemKV, v + n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0, lane);
+    fwd::load_tile<W, kBlockN>(sk, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0, p.d, lane);
+    fwd::load_tile<W, kBlockN>(sk + W::kSmemKV, v + n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0, p.d,
+                               lane);
   };
 #pragma unroll
   for (int it = 0; it < kStages - 1; ++it) {
@@ -195,6 +196,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
     T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(i) * p.o_row_stride + head * p.o_head_stride;
 #pragma unroll
     for (int c = 0; c < kCols / 4; ++c) {
+      if (col + 4 * c >= p.d) break;
       *reinterpret_cast<uint2*>(out + col + 4 * c) = make_uint2(tile::pack2<W::kIsBf16>(acc[c].x, acc[c].y),
                                                                 tile::pack2<W::kIsBf16>(acc[c].z, acc[c].w));
     }
@@ -202,7 +204,10 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
   } else {
     const int64_t row = ((int64_t(split) * p.b + batch) * p.h + head) * p.seqlen_q + i;
 #pragma unroll
-    for (int c = 0; c < kCols / 4; ++c) *reinterpret_cast<float4*>(p.o_accum + row * kD + col + 4 * c) = acc[c];
+    for (int c = 0; c < kCols / 4; ++c) {  // rows of d floats
+      if (col + 4 * c >= p.d) break;
+      *reinterpret_cast<float4*>(p.o_accum + row * p.d + col + 4 * c) = acc[c];
+    }
     if (col == 0) p.lse_accum[row] = empty ? -INFINITY : lse;  // -inf: the combine gives this range weight 0
   }
 }
@@ -211,7 +216,6 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
 template <class Tr>
 __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ FwdParams p) {
   using T = typename Tr::Warp::T;
-  constexpr int kD = Tr::kHeadDim;
   __shared__ float s_weight[4][kDecodeMaxSplits];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int rows = p.b * p.h * p.seqlen_q;  // (b, h, seqlen_q) fp32 rows of one split
@@ -235,11 +239,11 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Fw
   const bool empty = sum == 0.f;  // no split saw a key: O = 0, LSE = +inf
   const float inv = empty ? 0.f : 1.f / sum;
   T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(i) * p.o_row_stride + head * p.o_head_stride;
-  for (int c = lane * 4; c < kD; c += 128) {
+  for (int c = lane * 4; c < p.d; c += 128) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s = 0; s < p.num_splits; ++s) {
       const float w = s_weight[warp][s];
-      const float4 x = *reinterpret_cast<const float4*>(p.o_accum + (int64_t(s) * rows + row) * kD + c);
+      const float4 x = *reinterpret_cast<const float4*>(p.o_accum + (int64_t(s) * rows + row) * p.d + c);
       acc.x += w * x.x; acc.y += w * x.y; acc.z += w * x.z; acc.w += w * x.w;
     }
     *reinterpret_cast<uint2*>(out + c) = make_uint2(tile::pack2<Tr::Warp::kIsBf16>(acc.x * inv, acc.y * inv),

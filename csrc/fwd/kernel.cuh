@@ -36,11 +36,12 @@ struct CopyLane {
   __device__ __forceinline__ bool has_group(int cg) const { return cg * 64 + col < Tr::kHeadDim; }
 };
 
-// Copies kRows x d elements into a swizzled tile; rows >= valid_rows are zero-filled
-// (zero V rows keep P V finite where P is 0).
+// Copies kRows x kHeadDim elements into a swizzled tile; rows >= valid_rows and columns >= cols (the
+// tensors' head dim: kHeadDim, or in the decode kernel a multiple of 8 up to it) are zero-filled (zero V rows keep P V finite where P
+// is 0; zero Q / K columns leave q.k unchanged).
 template <class Tr, int kRows>
 __device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::T* gmem, int64_t row_stride,
-                                          int valid_rows, int thread = threadIdx.x) {
+                                          int valid_rows, int cols, int thread = threadIdx.x) {
   constexpr int kPass = CopyLane<Tr>::kRowsPerPass;
   static_assert(kRows % kPass == 0, "whole passes per tile");
   const CopyLane<Tr> lane(thread);
@@ -48,9 +49,10 @@ __device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::T* g
 #pragma unroll
   for (int cg = 0; cg < Tr::kSmemCols / 64; ++cg) {
     if (!lane.has_group(cg)) continue;
+    const bool col_valid = cg * 64 + lane.col < cols;
 #pragma unroll
     for (int rr = 0; rr < kRows / kPass; ++rr) {
-      const bool valid = lane.row + rr * kPass < valid_rows;
+      const bool valid = col_valid && lane.row + rr * kPass < valid_rows;
       const uint32_t dst = kPass % 8 == 0
                                ? smem + lane.smem + rr * kPass * Tr::kRowBytes + cg * 128
                                : smem + tile::swizzle<Tr::kRowBytes>(lane.row + rr * kPass, (lane.col + cg * 64) * 2);
@@ -250,7 +252,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTil
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant__ FwdParams p) {
   using T = typename Tr::T;
-  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;  // exact head dim (dispatch)
   constexpr int kMTiles = Tr::kMTiles, kNTiles = Tr::kNTiles, kDTiles = Tr::kDTiles;
 
   extern __shared__ __align__(128) char smem[];
@@ -289,10 +291,10 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
   const T* v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + int64_t(k_start) * p.v_row_stride +
                head_k * p.v_head_stride;
 
-  load_tile<Tr, kBlockM>(sQ, q, p.q_row_stride, seqlen_q - m0);
+  load_tile<Tr, kBlockM>(sQ, q, p.q_row_stride, seqlen_q - m0, kD);
   if (n_block_max > n_block_min) {
     const int n0 = (n_block_max - 1) * kBlockN;
-    load_tile<Tr, kBlockN>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0);
+    load_tile<Tr, kBlockN>(sK, k + n0 * p.k_row_stride, p.k_row_stride, seqlen_k - n0, kD);
   }
   tile::cp_async_commit();
 
@@ -322,7 +324,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
     const int n0 = n_block * kBlockN;
     tile::cp_async_wait<0>();
     __syncthreads();  // K (and Q) landed; every warp is done with the previous V
-    load_tile<Tr, kBlockN>(sV, v + n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0);
+    load_tile<Tr, kBlockN>(sV, v + n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0, kD);
     tile::cp_async_commit();
 
     float s[kMTiles][kNTiles][4] = {};
@@ -331,7 +333,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
     tile::cp_async_wait<0>();
     __syncthreads();  // V landed; every warp is done with K
     if (n_block > n_block_min) {
-      load_tile<Tr, kBlockN>(sK, k + (n0 - kBlockN) * p.k_row_stride, p.k_row_stride, seqlen_k - n0 + kBlockN);
+      load_tile<Tr, kBlockN>(sK, k + (n0 - kBlockN) * p.k_row_stride, p.k_row_stride, seqlen_k - n0 + kBlockN, kD);
     }
     tile::cp_async_commit();
 

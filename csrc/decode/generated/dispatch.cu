@@ -7,15 +7,13 @@ template <bool kIsBf16, int kHeadDim>
 cudaError_t run_decode_hdim(const FwdParams&, cudaStream_t);
 
 cudaError_t run_decode(const FwdParams& p, cudaStream_t s) {
-  switch (p.d) {
-    case 32: return p.is_bf16 ? run_decode_hdim<true, 32>(p, s) : run_decode_hdim<false, 32>(p, s);
-    case 64: return p.is_bf16 ? run_decode_hdim<true, 64>(p, s) : run_decode_hdim<false, 64>(p, s);
-    case 96: return p.is_bf16 ? run_decode_hdim<true, 96>(p, s) : run_decode_hdim<false, 96>(p, s);
-    case 128: return p.is_bf16 ? run_decode_hdim<true, 128>(p, s) : run_decode_hdim<false, 128>(p, s);
-    case 192: return p.is_bf16 ? run_decode_hdim<true, 192>(p, s) : run_decode_hdim<false, 192>(p, s);
-    case 256: return p.is_bf16 ? run_decode_hdim<true, 256>(p, s) : run_decode_hdim<false, 256>(p, s);
-    default: return cudaErrorInvalidValue;
-  }
+  if (p.d <= 32) return p.is_bf16 ? run_decode_hdim<true, 32>(p, s) : run_decode_hdim<false, 32>(p, s);
+  if (p.d <= 64) return p.is_bf16 ? run_decode_hdim<true, 64>(p, s) : run_decode_hdim<false, 64>(p, s);
+  if (p.d <= 96) return p.is_bf16 ? run_decode_hdim<true, 96>(p, s) : run_decode_hdim<false, 96>(p, s);
+  if (p.d <= 128) return p.is_bf16 ? run_decode_hdim<true, 128>(p, s) : run_decode_hdim<false, 128>(p, s);
+  if (p.d <= 192) return p.is_bf16 ? run_decode_hdim<true, 192>(p, s) : run_decode_hdim<false, 192>(p, s);
+  if (p.d <= 256) return p.is_bf16 ? run_decode_hdim<true, 256>(p, s) : run_decode_hdim<false, 256>(p, s);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace hf_flash
