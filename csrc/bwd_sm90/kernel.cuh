@@ -26,6 +26,7 @@
 #pragma once
 
 #include "bwd/kernel.cuh"
+#include "sm90/schedule.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 
@@ -87,13 +88,12 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
   auto empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
   const uint32_t sDq = base + Tr::kDq, dq_full = kv_full + 8 * (1 + 2 * kStages), dq_empty = dq_full + 8;
 
-  // CTA order: sections of `group` (kv head, batch) pairs; in a section the key blocks are the slowest index, so
-  // every pair's block 0 (causal: the most query blocks) starts first. group = 1: one pair's blocks in a row.
-  const int pairs = p.h_k * p.b, n_blocks = gridDim.x / pairs, section = blockIdx.x / (group * n_blocks);
-  const int in_section = min(group, pairs - section * group), r = blockIdx.x - section * group * n_blocks;
-  const int pair = section * group + r % in_section, hk = pair % p.h_k, b = pair / p.h_k, groups = p.h / p.h_k;
+  // Pairs (kv head, batch), blocks = key blocks: block 0 sees the most query blocks (sm90/schedule.cuh).
+  const int n_blocks = gridDim.x / (p.h_k * p.b);
+  const sm90::SectionTile cta = sm90::section_tile(p.h_k * p.b, n_blocks, group);
+  const int hk = cta.pair % p.h_k, b = cta.pair / p.h_k, groups = p.h / p.h_k;
   const bwd::Seq seq(p, b);
-  const int n0 = r / in_section * kBlockN;
+  const int n0 = cta.block * kBlockN;
   if (n0 >= seq.sk) return;  // varlen: past this sequence's keys (the whole CTA)
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
   const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner

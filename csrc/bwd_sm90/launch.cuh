@@ -1,30 +1,12 @@
 // Launch of the Hopper backward kernel (kernel.cuh): TMA maps, grid, shared memory.
 #pragma once
-#include <algorithm>
-#include <cstdint>
-
 #include "bwd/config.h"
 #include "bwd_sm90/kernel.cuh"
+#include "sm90/schedule.cuh"
 #include "sm90/tma.cuh"
 
 namespace hf_flash {
 namespace bwd_sm90 {
-
-// (kv head, batch) pairs per section of the grid (kernel.cuh: key blocks slowest within a section). Causal key
-// blocks differ in work (block 0 sees every query block), so a section must hold enough pairs that its light blocks
-// can balance its heavy ones across the SMs: heavy block ~ n_blocks units, section ~ pairs * n_blocks^2 / 2 units
-// over num_sms, hence 2 * num_sms / n_blocks pairs. Capped so the section's Q, dO (and their dQ) stay a share of
-// L2; without causality every block is alike and one pair's blocks in a row share Q, dO in L2 best. On the H100
-// (NOTES-sm90.md), over one pair per section: Llama shapes (GQA 16 / 8, d128, causal) 2 x 4k 1.19x, 8 x 1k 1.10x,
-// 1 x 16k 1.01x; the paper grid within its noise (+-3%). All pairs in one section: down to 0.6x there.
-inline int grid_group(const BwdParams& p, int n_blocks) {
-  if (p.window_right != 0) return 1;  // not causal (supported() rules out other windows)
-  const int64_t pair_bytes = int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2;  // Q and dO, 16-bit
-  const int64_t cap = std::max<int64_t>(1, (int64_t(32) << 20) / std::max<int64_t>(1, pair_bytes));
-  const int64_t balance = (2 * int64_t(p.num_sms) + n_blocks - 1) / n_blocks;
-  const int64_t g = std::min<int64_t>({balance, cap, int64_t(p.h_k) * p.b});
-  return int(std::max<int64_t>(1, g));
-}
 
 // cudaErrorNotSupported when the driver cannot describe the tensors to TMA (e.g. strides that are not multiples
 // of 16 bytes): run_bwd_hdim then runs the mma.sync kernel.
@@ -55,9 +37,11 @@ cudaError_t run_main(const BwdParams& p, const float* dsum, float* dq_acc, cudaS
   auto kernel = &main_kernel<kIsBf16, kHeadDim>;
   err = allow_smem(kernel, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const int n_blocks = bwd::num_n_blocks(p);
-  kernel<<<n_blocks * p.h_k * p.b, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, dsum, dq_acc,
-                                                                           grid_group(p, n_blocks));
+  // Sections of (kv head, batch) pairs (sm90/schedule.cuh); a pair's key blocks share its Q and dO.
+  const int n_blocks = bwd::num_n_blocks(p), pairs = p.h_k * p.b;
+  const int group = sm90::section_group(p.window_right == 0, pairs, n_blocks, p.num_sms,
+                                        int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2);
+  kernel<<<n_blocks * pairs, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, dsum, dq_acc, group);
   return cudaSuccess;
 }
 
