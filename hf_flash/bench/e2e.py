@@ -55,7 +55,8 @@ def measure_train(backend: str, shape: str, layers: int, steps: int) -> Row:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def step():
-        model(**batch).loss.backward()
+        # Fresh tensors each step, as a data loader gives: nothing a backend caches on its inputs carries over.
+        model(**{name: t.clone() for name, t in batch.items()}).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
