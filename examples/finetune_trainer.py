@@ -8,8 +8,9 @@
 Without --model it trains a small random-init Llama on bytes (no download).
 Data comes through `datasets`: a Hub dataset (--dataset) or a local text file
 (--text-file), cut into examples of varying length, then either packed
-(`DataCollatorWithFlattening`: one row, no padding, sequence boundaries from
-position ids) or padded. Logs loss, tokens/s and peak GPU memory; --lora
+(`DataCollatorWithFlattening`: one row, no padding, sequence boundaries as
+position ids and as flash-attention `cu_seq_lens`, computed on the CPU so the
+attention layers need no host sync) or padded. Logs loss, tokens/s and peak GPU memory; --lora
 trains LoRA adapters with PEFT.
 """
 
@@ -140,7 +141,10 @@ def main(argv=None):
         model.print_trainable_parameters()
     examples = load_examples(args, tokenizer)
     throughput = Throughput()
-    base = DataCollatorWithFlattening() if args.packing else pad_collator(tokenizer.pad_token_id)
+    if args.packing:
+        base = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    else:
+        base = pad_collator(tokenizer.pad_token_id)
 
     def collate(batch):
         out = base(batch)
