@@ -20,8 +20,9 @@ for d, dtype, causal, (sq, sk), (h, hk) in [(64, torch.bfloat16, False, (77, 150
 lens = torch.tensor([0, 5, 0, 130, 64], device="cuda")
 cu = torch.nn.functional.pad(lens.cumsum(0), (1, 0)).int()
 total = int(cu[-1])
-q, k, v = (torch.randn(total, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-out = flash_attn_varlen_func(q, k, v, cu, cu, int(lens.max()), int(lens.max()), causal=True)
-out.backward(torch.randn_like(out))
+for d in (64, 128):
+    q, k, v = (torch.randn(total, 4, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = flash_attn_varlen_func(q, k, v, cu, cu, int(lens.max()), int(lens.max()), causal=True)
+    out.backward(torch.randn_like(out))
 torch.cuda.synchronize()
 print("sanitize_sm90: done")

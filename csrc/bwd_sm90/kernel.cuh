@@ -4,25 +4,26 @@
 //
 // One CTA (3 warpgroups) per (block of 128 keys, kv head, batch); K, V resident in smem, loop over the query
 // heads of the GQA group and their query blocks:
-//   producer  (24 registers): one warp. Lane 0 issues TMA loads of K, V once (kv_full) and of Q, dO per
-//             (query head, query block) into a 2-stage ring; the 32 lanes copy that block's LSE and D rows
+//   producer  (24 registers): warp 0, lane 0 issues TMA loads of K, V once (kv_full) and of Q, dO per
+//             (query head, query block) into a 2-stage ring; its 32 lanes copy that block's LSE and D rows
 //             (0 past the sequence) into the stage with cp.async. A stage's "full" mbarrier completes with the
 //             TMA bytes and the 32 lanes' cp.async arrivals, its "empty" one with the 256 consumer threads'
-//             arrivals once their last wgmma on it has retired.
-//   consumers (240 registers): warpgroup w owns keys 64w..64w+63; per query block
+//             arrivals once their last wgmma on it has retired. Warp 1 + w, one lane: adds consumer warpgroup
+//             w's dQ tiles to the fp32 accumulator with kD / 32 TMA reductions (cp.reduce.async.bulk.tensor).
+//   consumers (240 registers): warpgroup w owns keys 64w..64w+63, and nothing in the loop waits for the other
+//     one, so one warpgroup's exp / dS arithmetic runs while the other one's wgmmas use the tensor cores.
+//     Per query block:
 //     S^T = K Q^T, dP^T = V dO^T             wgmma, both operands from smem
 //     P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T - D) scale     in registers
 //     dV += P^T dO, dK += dS^T Q             wgmma, P^T / dS^T as register A operands, dO / Q MN-major
-//     dQ = dS K                              after a named barrier (256 threads: both halves of dS^T written);
-//                                            warpgroup w computes one 64 x 64 quarter (d64: rows; d128: columns)
-//     issued dV, dQ, dK, so that the dQ reductions run under the dK wgmma. dS^T is double-buffered so a
-//     warpgroup writing block it + 1 cannot overwrite the tile the other one's dQ wgmma of block it still reads.
-// dQ reaches the fp32 accumulator by 8-byte red.global.add from the consumers (d64), or (kDqBulk, d128) through
-// one fp32 tile in shared memory (mbarriers dq_full / dq_empty) that producer warp 1 adds with one
-// cp.reduce.async.bulk per row: on the H100, 1.08-1.14x faster than red.global.add at d128, 0.81-0.85x at d64.
+//     dQ_w = dS_w K_w (kBlockM x kD)         wgmma from this warpgroup's dS^T tile in smem (a 128-thread
+//                                            named barrier: its 4 warps' stores) and its 64 rows of K; stored
+//                                            as an fp32 tile (mbarriers dq_full[w] / dq_empty[w]) for warp 1 + w
+//     dV is issued right after P^T at d128 (it runs under the dS^T arithmetic), after dS^T at d64 (registers),
+//     then dQ and dK; the dQ tile stores run under dK.
 // Varlen: Q / dO / K / V rows past a sequence are the next sequence's rows (zero past the tensor), all masked
-// (P = 0, dS = 0) or not stored, as in the forward. Tiles are 128-byte swizzled panels (sm90/wgmma.cuh).
-// See benchmarks/NOTES-sm90.md.
+// (P = 0, dS = 0), so their dQ rows add 0 to the next sequence's (non-finite input there aside); K / V rows past
+// it are not stored. Tiles are 128-byte swizzled panels (sm90/wgmma.cuh). See benchmarks/NOTES-sm90.md.
 #pragma once
 
 #include "bwd/kernel.cuh"
@@ -35,48 +36,50 @@ namespace bwd_sm90 {
 
 template <bool kIsBf16, int kHeadDim>
 struct Traits {
-  // 128 x 128 (d64) and 128 keys x 64 queries (d128) tiles: dK, dV and S^T, dP^T fit in 240 registers.
+  // 128 x 128 (d64) and 128 keys x 64 queries (d128) tiles: dK, dV and S^T, dP^T (or dQ) fit in 240 registers.
   static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = kHeadDim == 64 ? 128 : 64;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "instantiated head dims");
   static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
   static_assert(kBlockN == 2 * 64, "two consumer warpgroups of 64 keys");
-  // dQ (kBlockM x kD) in two 64 x 64 quarters: by rows when kBlockM = 128, else by columns.
-  static constexpr bool kDqSplitRows = kBlockM == 128;
-  static_assert((kDqSplitRows ? kD : kD / 2) == 64 && (kDqSplitRows ? kBlockM / 2 : kBlockM) == 64, "dQ quarters");
-  static constexpr bool kDqBulk = kHeadDim == 128;  // measured, see the top of this file
+  static constexpr bool kDvBeforeDs = kBlockM == 64;  // at kBlockM = 128, P^T (in flight) + dS^T exceed 240
+  // dQ (measured, benchmarks/NOTES-sm90.md): kSharedDq (d128), the warpgroups' dS^T halves form one tile of
+  // the 128 keys (double-buffered: the other warpgroup's dQ wgmma may still read block it - 1) and warpgroup w
+  // computes dQ columns 64w..64w+63 over all of them into one dQ tile; else (d64) each warpgroup computes all of
+  // dQ over its own 64 keys from its own dS^T tile into its own dQ tile, and nothing in the loop waits for the
+  // other warpgroup. Either way dq is kBlockM x 64 per warpgroup.
+  static constexpr bool kSharedDq = kHeadDim == 128;
+  static constexpr int kDStRows = kSharedDq ? kBlockN : 64, kDqTiles = kSharedDq ? 1 : 2;
+  static constexpr int kDqThreads = kSharedDq ? 2 * 128 : 128;  // arrivals on a dq_full
   static constexpr int kThreads = 3 * 128, kConsumerThreads = 2 * 128, kStages = 2;
   // 128 * 24 + 256 * 240 <= 64K registers.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  // dQ tile rows (kD fp32) padded by 32 bytes: a half-warp's 8-byte stores (4 rows x 4 column pairs) hit
-  // distinct banks; each row stays one 16-byte aligned bulk source.
-  static constexpr int kDqRowBytes = kHeadDim * 4 + 32;
-  // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, 2 dS^T tiles, the LSE and D rings, the dQ
-  // tile (kDqBulk), then the mbarriers kv_full, full[kStages], empty[kStages], dq_full, dq_empty.
+  // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, 2 dS^T tiles (kDStRows keys x kBlockM), the
+  // dQ tiles (kD / 32 panels of kBlockM rows x 32 fp32: the dq_acc map's boxes), the LSE and D rings, then the
+  // mbarriers kv_full, full[kStages], empty[kStages], dq_full[2], dq_empty[2].
   static constexpr int kKVBytes = kBlockN * kD * 2, kQBytes = kBlockM * kD * 2;
-  static constexpr int kDStBytes = kBlockN * kBlockM * 2, kRowBytes = kBlockM * 4;
+  static constexpr int kDStBytes = kDStRows * kBlockM * 2, kDqBytes = kBlockM * kD * 4, kRowBytes = kBlockM * 4;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kQBytes,
-                       kDSt = kDO + kStages * kQBytes, kLse = kDSt + 2 * kDStBytes,
-                       kDsum = kLse + kStages * kRowBytes, kDq = kDsum + kStages * kRowBytes,
-                       kBars = kDq + (kDqBulk ? kBlockM * kDqRowBytes : 0),
-                       kSmemBytes = kBars + (3 + 2 * kStages) * 8 + 1024;  // + alignment slack
+                       kDSt = kDO + kStages * kQBytes, kDq = kDSt + 2 * kDStBytes, kLse = kDq + kDqTiles * kDqBytes,
+                       kDsum = kLse + kStages * kRowBytes, kBars = kDsum + kStages * kRowBytes,
+                       kSmemBytes = kBars + (5 + 2 * kStages) * 8 + 1024;  // + alignment slack
+  static_assert(kDSt % 1024 == 0 && kDStBytes % 1024 == 0 && kDq % 1024 == 0, "swizzled panels");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
 };
 
-// TMA maps of q, dout (boxes of kBlockM rows) and k, v (kBlockN rows): dims (d, heads, rows, batch), 64-column
-// boxes (launch.cuh makes them; varlen tensors are one batch of total rows).
+// TMA maps of q, dout, dq_acc (boxes of kBlockM rows) and k, v (kBlockN rows): dims (d, heads, rows, batch),
+// 128-byte boxes (launch.cuh makes them; varlen tensors are one batch of total rows).
 struct TmaMaps {
-  CUtensorMap q, dout, k, v;
+  CUtensorMap q, dout, k, v, dq_acc;
 };
 
 template <bool kIsBf16, int kHeadDim>
 __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
     main_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
-                const float* __restrict__ dsum, float* __restrict__ dq_acc, int group) {
+                const float* __restrict__ dsum, int group) {
 #ifdef HF_SM90_ENABLED
   using Tr = Traits<kIsBf16, kHeadDim>;
   constexpr int kD = kHeadDim, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
   constexpr int kQBytes = Tr::kQBytes;
-  constexpr bool kDqBulk = Tr::kDqBulk;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t raw = tile::smem_u32(smem_raw), base = (raw + 1023) & ~1023u;
   float* s_lse = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kLse);    // [stage][row] LSE
@@ -86,7 +89,9 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
   auto sDO = [&](int st) { return base + Tr::kDO + st * kQBytes; };
   auto full = [&](int st) { return kv_full + 8 * (1 + st); };
   auto empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
-  const uint32_t sDq = base + Tr::kDq, dq_full = kv_full + 8 * (1 + 2 * kStages), dq_empty = dq_full + 8;
+  auto dq_full = [&](int w) { return kv_full + 8 * (1 + 2 * kStages + w); };
+  auto dq_empty = [&](int w) { return kv_full + 8 * (3 + 2 * kStages + w); };
+  auto sDq = [&](int w) { return base + Tr::kDq + w * Tr::kDqBytes; };
 
   // Pairs (kv head, batch), blocks = key blocks: block 0 sees the most query blocks (sm90/schedule.cuh).
   const int n_blocks = gridDim.x / (p.h_k * p.b);
@@ -104,40 +109,40 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
       sm90::mbar_init(full(st), 32);
       sm90::mbar_init(empty(st), Tr::kConsumerThreads);
     }
-    sm90::mbar_init(dq_full, Tr::kConsumerThreads);
-    sm90::mbar_init(dq_empty, 32);
+    for (int w = 0; w < 2; ++w) {
+      sm90::mbar_init(dq_full(w), Tr::kDqThreads);
+      sm90::mbar_init(dq_empty(w), 1);
+    }
     sm90::mbar_init_fence();
   }
   __syncthreads();
 
-  // ---- producer: warp 0 loads, warp 1 adds the dQ tiles (kDqBulk) -----------------------------------
+  // ---- producer: warp 0 loads, one lane of warp 1 + w adds consumer warpgroup w's dQ tiles ----------------
   if (threadIdx.x < 128) {
     sm90::regs_dealloc<Tr::kProducerRegs>();
-    if (kDqBulk && threadIdx.x / 32 == 1) {
-      const int lane = threadIdx.x % 32;
+    const int tma_b = p.cu_seqlens_q ? 0 : b;
+    if (threadIdx.x == 32 || (threadIdx.x == 64 && Tr::kDqTiles == 2)) {
+      const int w = threadIdx.x / 32 - 1;
+      // Rows past a dense batch's seqlen_q fall outside the map (dropped); varlen rows past a sequence add 0.
+      const int row0 = p.cu_seqlens_q ? seq.ws0 : 0;
       int head = hk * groups, mi = 0;
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it) {
-        const int m0 = (kb.m_begin + mi) * kBlockM;
-        sm90::mbar_wait(dq_full, it & 1);
-#pragma unroll
-        for (int i = 0; i < kBlockM / 32; ++i) {  // rows past the sequence are not added
-          const int r = lane + 32 * i;
-          if (m0 + r < seq.sq) {
-            sm90::bulk_reduce_add_f32(dq_acc + (int64_t(seq.ws0 + m0 + r) * p.h + head) * kD,
-                                      sDq + r * Tr::kDqRowBytes, kD * 4);
-          }
+        sm90::mbar_wait(dq_full(w), it & 1);
+        for (int panel = 0; panel < kD / 32; ++panel) {
+          sm90::tma_reduce_add_4d(&maps.dq_acc, sDq(w) + panel * kBlockM * 128, panel * 32, head,
+                                  row0 + (kb.m_begin + mi) * kBlockM, tma_b);
         }
         sm90::bulk_commit();
         sm90::bulk_wait_read<0>();  // the tile may be overwritten
-        sm90::mbar_arrive(dq_empty);
+        sm90::mbar_arrive(dq_empty(w));
         mi = mi + 1 < kb.m_count ? mi + 1 : 0;
         head += mi == 0;
       }
       sm90::bulk_wait<0>();  // the additions are done before the thread exits
     }
     if (threadIdx.x >= 32) return;
-    const int lane = threadIdx.x, tma_b = p.cu_seqlens_q ? 0 : b;
+    const int lane = threadIdx.x;
     if (lane == 0) {
       sm90::mbar_arrive_expect_tx(kv_full, 2 * Tr::kKVBytes);
       for (int panel = 0; panel < kD / 64; ++panel) {
@@ -183,14 +188,22 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
   const int off = seq.sk - seq.sq;
   const bool causal = p.window_right == 0;  // else unmasked (supported() rules out windows)
   float dv[kD / 8][4] = {}, dk[kD / 8][4] = {};  // this warpgroup's 64 keys (GQA: summed over the group)
-  float s[kBlockM / 8][4] = {}, dp[kBlockM / 8][4] = {}, dq[8][4] = {};
   const int key0 = n0 + 64 * wg + 16 * warp + g;  // this thread's keys: key0, key0 + 8
-  int head = hk * groups, mi = 0;                  // of iteration it
-  sm90::mbar_wait(kv_full, 0);                     // also: no TMA lands after the CTA (iters == 0)
+  // dQ: this warpgroup's dS^T rows (kSharedDq: the keys of both warpgroups), its dQ columns (col0..col0 + 63),
+  // the rows of K it multiplies, its dQ tile and that tile's mbarriers (kSharedDq: shared by both warpgroups).
+  constexpr int kRows = Tr::kDStRows, kDqKeys = kRows;
+  const int dst_row = Tr::kSharedDq ? 64 * wg : 0, col0 = Tr::kSharedDq ? 64 * wg : 0, tile_w = Tr::kSharedDq ? 0 : wg;
+  const uint32_t k_dq = sK + (Tr::kSharedDq ? 0 : 64 * wg * 128) + (col0 / 64) * kBlockN * 128;
+  // dQ tile stores: row r = 64 m + 16 warp + g + 8 h2 (r % 8 = g), columns c = col0 + 8 j + 2 t, + 1 in panel
+  // c / 32, 16-byte chunk (c % 32) / 4 = 2 (j % 4) + t / 2 stored at chunk ^ g: one XOR by (j % 4) << 5 per j.
+  const uint32_t dq_x = sDq(tile_w) + (16 * warp + g) * 128 + (((t / 2) ^ g) << 4) + (t % 2) * 8;
+  int head = hk * groups, mi = 0;  // of iteration it
+  sm90::mbar_wait(kv_full, 0);     // also: no TMA lands after the CTA (iters == 0)
 
   for (int it = 0; it < iters; ++it) {
     const int st = it % kStages, m0 = (kb.m_begin + mi) * kBlockM;
-    const uint32_t q_s = sQ(st), do_s = sDO(st), dst_s = base + Tr::kDSt + (it % 2) * Tr::kDStBytes;
+    const uint32_t q_s = sQ(st), do_s = sDO(st);
+    const uint32_t dst = base + Tr::kDSt + (Tr::kSharedDq ? it % 2 : wg) * Tr::kDStBytes;  // dS^T tile
     const float* lse_st = s_lse + st * kBlockM;
     const float* dsum_st = s_dsum + st * kBlockM;
     sm90::mbar_wait(full(st), (it / kStages) & 1);
@@ -198,14 +211,17 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
     // S^T = K Q^T and dP^T = V dO^T over d (this warpgroup's 64 key rows of K / V, all query rows of Q / dO),
     // K-major operands: k16 steps walk the 128-byte panel rows in 32 bytes; one commit group each.
     auto gemm_keys = [&](uint32_t sKeys, uint32_t sQueries, auto& acc) {
+      const uint64_t a = sm90::desc(sKeys + wg * 64 * 128, 16), bq = sm90::desc(sQueries, 16);
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
-        const uint32_t a = (kk / 4) * kBlockN * 128 + wg * 64 * 128 + kk % 4 * 32;
-        const uint32_t bq = (kk / 4) * kBlockM * 128 + kk % 4 * 32;
-        sm90::mma_ss<kBlockM, kIsBf16, 0, 0>(acc, sm90::desc(sKeys + a, 16), sm90::desc(sQueries + bq, 16), kk > 0);
+        sm90::mma_ss<kBlockM, kIsBf16, 0, 0>(acc, sm90::k_major_step<kBlockN>(a, kk),
+                                             sm90::k_major_step<kBlockM>(bq, kk), kk > 0);
       }
       sm90::commit();
     };
+    // Accumulators declared per block, not zeroed: the first k step overwrites them, and nothing keeps them live
+    // into the dQ phase (whose 64 registers per thread take their place).
+    float s[kBlockM / 8][4], dp[kBlockM / 8][4];
     sm90::fence();
     gemm_keys(sK, q_s, s);
     gemm_keys(sV, do_s, dp);
@@ -230,8 +246,20 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
       pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
       pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
     }
-    // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q and this block's dS^T tile for dQ.
-    sm90::wait<0>();
+    // dV += P^T dO: k16 steps are 16 query rows (2048 bytes) of the MN-major dO panels.
+    auto issue_dv = [&] {
+      const uint64_t do_desc = sm90::desc(do_s, kBlockM * 128);
+      sm90::fence();
+      sm90::fence_operand(dv);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc_add(do_desc, kk * 2048), true);
+      sm90::commit();
+    };
+    if constexpr (Tr::kDvBeforeDs) issue_dv();
+
+    // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q and the dS^T tile for dQ.
+    sm90::wait<Tr::kDvBeforeDs ? 1 : 0>();  // dP^T (dV may still run)
     sm90::fence_operand(dp);
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
@@ -243,61 +271,57 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
         const uint32_t packed = tile::pack2<kIsBf16>(s[j][2 * h2] * fmaf(dp[j][2 * h2], p.softmax_scale, -dsc.x),
                                                      s[j][2 * h2 + 1] * fmaf(dp[j][2 * h2 + 1], p.softmax_scale, -dsc.y));
         dsa[j / 2][(j % 2) * 2 + h2] = packed;
-        // Key row kr = 64 wg + 16 warp + g + 8 h2 of the CTA's dS^T tile: its 16-byte chunk j % 8 of a panel
-        // sits at chunk (j % 8) ^ g, and panel_offset(kBlockN, kr, 2t) carries g in address bits 4..6, so one
-        // XOR reaches it (keeps ptxas from holding 8 swizzled offsets per row in registers across the loop).
-        const uint32_t row = dst_s + sm90::panel_offset(kBlockN, 64 * wg + 16 * warp + g + 8 * h2, 2 * t);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kBlockN * 128),
-                     "r"(packed));
+        // Key row kr = dst_row + 16 warp + g + 8 h2 of the dS^T tile: its 16-byte chunk j % 8 of a panel sits at
+        // chunk (j % 8) ^ g, and panel_offset(kRows, kr, 2t) carries g in address bits 4..6, so one XOR reaches
+        // it (keeps ptxas from holding 8 swizzled offsets per row in registers across the loop).
+        const uint32_t row = dst + sm90::panel_offset(kRows, dst_row + 16 * warp + g + 8 * h2, 2 * t);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kRows * 128), "r"(packed));
       }
     }
-    // dV += P^T dO (and dK += dS^T Q below): k16 steps are 16 query rows (2048 bytes) of the MN-major panels.
-    sm90::fence();
-    sm90::fence_operand(dv);
+    if constexpr (!Tr::kDvBeforeDs) issue_dv();
+    sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
+    if constexpr (Tr::kSharedDq) {
+      sm90::named_barrier_sync(1, Tr::kConsumerThreads);  // both halves of dS^T written
+    } else {
+      sm90::named_barrier_sync(1 + wg, 128);  // this warpgroup's 4 warps have written its dS^T tile
+    }
+
+    // dQ (kBlockM x 64 here) = dS K over kDqKeys keys: dS^T panels (MN-major A, m64 row blocks of queries), K rows
+    // (MN-major B); then dK += dS^T Q.
+    float dq[kBlockM / 64][8][4];
+    const uint64_t k_desc = sm90::desc(k_dq, kBlockN * 128), q_desc = sm90::desc(q_s, kBlockM * 128);
+    sm90::fence();  // dsa written since the last wgmma
     sm90::fence_operand(dk);
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk)
-      sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc(do_s + kk * 2048, kBlockM * 128), true);
-    sm90::commit();
-    sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
-    sm90::named_barrier_sync(1, Tr::kConsumerThreads);  // both halves of dS^T written
-
-    // dQ quarter = dS K over the 128 keys: dS^T panels (MN-major A), K panels (MN-major B).
-    const int wm = Tr::kDqSplitRows ? wg : 0, wd = Tr::kDqSplitRows ? 0 : wg;
+    for (int m = 0; m < kBlockM / 64; ++m) {
+      const uint64_t ds_desc = sm90::desc(dst + m * kRows * 128, kRows * 128);
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk)
-      sm90::mma_ss<64, kIsBf16, 1, 1>(dq, sm90::desc(dst_s + wm * kBlockN * 128 + kk * 2048, kBlockN * 128),
-                                      sm90::desc(sK + wd * kBlockN * 128 + kk * 2048, kBlockN * 128), kk > 0);
+      for (int kk = 0; kk < kDqKeys / 16; ++kk)
+        sm90::mma_ss<64, kIsBf16, 1, 1>(dq[m], sm90::desc_add(ds_desc, kk * 2048), sm90::desc_add(k_desc, kk * 2048),
+                                        kk > 0);
+    }
     sm90::commit();
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk)
-      sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc(q_s + kk * 2048, kBlockM * 128), true);
+    for (int kk = 0; kk < kBlockM / 16; ++kk) sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc_add(q_desc, kk * 2048), true);
     sm90::commit();
-    sm90::wait<1>();  // dQ done; dK runs under the reductions / the dQ tile stores
+    sm90::wait<1>();  // dQ (and dV) done; dK runs under the dQ tile stores
     sm90::fence_operand(dq);
-    if constexpr (kDqBulk) {
-      if (it > 0) sm90::mbar_wait(dq_empty, (it - 1) & 1);  // warp 1 has read the previous tile
+    if (it > 0) sm90::mbar_wait(dq_empty(tile_w), (it - 1) & 1);  // the reducer has read the previous tile
+#pragma unroll
+    for (int m = 0; m < kBlockM / 64; ++m) {
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
-        const uint32_t row = sDq + (64 * wm + 16 * warp + g + 8 * h2) * Tr::kDqRowBytes + (64 * wd + 2 * t) * 4;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(row + 32 * j), "f"(dq[j][2 * h2]),
-                       "f"(dq[j][2 * h2 + 1]));
-      }
-      sm90::fence_proxy_async();  // the stores, visible to the bulk reductions of warp 1
-      sm90::mbar_arrive(dq_full);
-    } else {
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const int i = m0 + 64 * wm + 16 * warp + g + 8 * h2;
-        if (i < seq.sq) {
-          float* dst = dq_acc + (int64_t(seq.ws0 + i) * p.h + head) * kD + 64 * wd + 2 * t;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) bwd::red_add2(dst + 8 * j, dq[j][2 * h2], dq[j][2 * h2 + 1]);
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t addr =
+              ((dq_x + (64 * m + 8 * h2) * 128) ^ ((j % 4) << 5)) + (col0 / 32 + j / 4) * kBlockM * 128;
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[m][j][2 * h2]),
+                       "f"(dq[m][j][2 * h2 + 1]));
         }
       }
     }
+    sm90::fence_proxy_async();  // the stores, visible to the TMA reductions
+    sm90::mbar_arrive(dq_full(tile_w));
     sm90::wait<0>();
     sm90::fence_operand(dv);
     sm90::fence_operand(dk);

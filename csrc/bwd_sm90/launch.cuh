@@ -18,20 +18,26 @@ cudaError_t run_main(const BwdParams& p, const float* dsum, float* dq_acc, cudaS
   const int batches = varlen ? 1 : p.b, rows_q = varlen ? p.total_q : p.seqlen_q;
   const int rows_k = varlen ? p.total_k : p.seqlen_k;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
+  const sm90::TmaElem elem = sm90::tma_elem(kIsBf16);
   TmaMaps maps;
-  cudaError_t err = sm90::make_rows_map(&maps.q, p.q, kIsBf16, p.d, p.h, rows_q, batches, p.q_head_stride,
+  cudaError_t err = sm90::make_rows_map(&maps.q, p.q, elem, p.d, p.h, rows_q, batches, p.q_head_stride,
                                         p.q_row_stride, p.q_batch_stride, kBlockM);
   if (err == cudaSuccess) {
-    err = sm90::make_rows_map(&maps.dout, p.dout, kIsBf16, p.d, p.h, rows_q, batches, p.do_head_stride,
+    err = sm90::make_rows_map(&maps.dout, p.dout, elem, p.d, p.h, rows_q, batches, p.do_head_stride,
                               p.do_row_stride, p.do_batch_stride, kBlockM);
   }
   if (err == cudaSuccess) {
-    err = sm90::make_rows_map(&maps.k, p.k, kIsBf16, p.d, p.h_k, rows_k, batches, p.k_head_stride, p.k_row_stride,
+    err = sm90::make_rows_map(&maps.k, p.k, elem, p.d, p.h_k, rows_k, batches, p.k_head_stride, p.k_row_stride,
                               p.k_batch_stride, kBlockN);
   }
   if (err == cudaSuccess) {
-    err = sm90::make_rows_map(&maps.v, p.v, kIsBf16, p.d, p.h_k, rows_k, batches, p.v_head_stride, p.v_row_stride,
+    err = sm90::make_rows_map(&maps.v, p.v, elem, p.d, p.h_k, rows_k, batches, p.v_head_stride, p.v_row_stride,
                               p.v_batch_stride, kBlockN);
+  }
+  if (err == cudaSuccess) {  // dq_acc: fp32 (rows, h, d), a dense batch seqlen_q of those rows
+    constexpr int kD = kHeadDim;
+    err = sm90::make_rows_map(&maps.dq_acc, dq_acc, sm90::TmaElem::kF32, kD, p.h, rows_q, batches, kD,
+                              int64_t(p.h) * kD, int64_t(p.seqlen_q) * p.h * kD, kBlockM);
   }
   if (err != cudaSuccess) return err;
   auto kernel = &main_kernel<kIsBf16, kHeadDim>;
@@ -41,7 +47,7 @@ cudaError_t run_main(const BwdParams& p, const float* dsum, float* dq_acc, cudaS
   const int n_blocks = bwd::num_n_blocks(p), pairs = p.h_k * p.b;
   const int group = sm90::section_group(p.window_right == 0, pairs, n_blocks, p.num_sms,
                                         int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2);
-  kernel<<<n_blocks * pairs, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, dsum, dq_acc, group);
+  kernel<<<n_blocks * pairs, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, dsum, group);
   return cudaSuccess;
 }
 

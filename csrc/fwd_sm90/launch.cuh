@@ -22,7 +22,7 @@ cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
   const bool varlen = p.cu_seqlens_q != nullptr;
   auto make_map = [&](CUtensorMap* map, const void* ptr, int heads, int rows, int64_t head_stride,
                       int64_t row_stride, int64_t batch_stride, int box_rows) {
-    return sm90::make_rows_map(map, ptr, kIsBf16, p.d, heads, rows, varlen ? 1 : p.b, head_stride, row_stride,
+    return sm90::make_rows_map(map, ptr, sm90::tma_elem(kIsBf16), p.d, heads, rows, varlen ? 1 : p.b, head_stride, row_stride,
                                batch_stride, box_rows);
   };
   fwd_sm90::TmaMaps maps;

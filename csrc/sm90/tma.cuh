@@ -1,4 +1,4 @@
-// Hopper (sm_90a) asynchronous copies: mbarriers, TMA tile loads, and warpgroup register reallocation.
+// Hopper (sm_90a) asynchronous copies: mbarriers, TMA tile loads and reductions, and warpgroup register reallocation.
 // Generic: no attention-specific code here.
 #pragma once
 #include <cuda.h>
@@ -56,13 +56,15 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }
 
-// ---- bulk (non-tensor) reductions ------------------------------------------------------------
-// gmem[0 .. bytes / 4) += the fp32 values at smem (both 16-byte aligned, bytes a multiple of 16), asynchronously;
-// one bulk group per commit.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, uint32_t smem, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-               ::"l"(gmem), "r"(smem), "r"(bytes) : "memory");
+// Adds the box at smem to the one at coordinates (c0..c3) of a 4-D tensor map, asynchronously (bulk group; rows
+// past the map's dims are dropped). The smem tile is in the map's swizzled layout.
+__device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, uint32_t src, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n"
+      ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src) : "memory");
 }
+
+// ---- bulk groups -----------------------------------------------------------------------------
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // At most kPending of this thread's bulk groups still read shared memory (the source may be reused).
 template <int kPending>
@@ -78,10 +80,14 @@ template <int kRegs>
 __device__ __forceinline__ void regs_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }
 
 // ---- host: tensor maps ---------------------------------------------------------------------
-// A 4-D map over 16-bit elements, dims innermost first (the innermost contiguous), strides in elements
-// of dims 1..3, boxes of 64 x 1 x box_rows x 1 elements with the 128-byte swizzle: one box fills one
-// 64-column panel of the swizzled wgmma layout (wgmma.cuh). Out-of-range rows read as zero.
-inline cudaError_t make_tensor_map_4d(CUtensorMap* map, const void* ptr, bool is_bf16, const uint64_t (&dims)[4],
+// Element types of the maps: 16-bit operands, or fp32 (accumulators).
+enum class TmaElem { kBf16, kF16, kF32 };
+inline TmaElem tma_elem(bool is_bf16) { return is_bf16 ? TmaElem::kBf16 : TmaElem::kF16; }
+
+// A 4-D map, dims innermost first (the innermost contiguous), strides in elements of dims 1..3, boxes of one
+// 128-byte row (64 16-bit / 32 fp32 elements) x 1 x box_rows x 1 with the 128-byte swizzle: one box fills one
+// panel of the swizzled wgmma layout (wgmma.cuh). Out-of-range rows read as zero (loads) or are dropped (reductions).
+inline cudaError_t make_tensor_map_4d(CUtensorMap* map, const void* ptr, TmaElem elem, const uint64_t (&dims)[4],
                                       const int64_t (&strides)[3], uint32_t box_rows) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
@@ -94,11 +100,15 @@ inline cudaError_t make_tensor_map_4d(CUtensorMap* map, const void* ptr, bool is
   }();
   if (encode == nullptr) return cudaErrorNotSupported;
   const cuuint64_t global_dims[4] = {dims[0], dims[1], dims[2], dims[3]};
-  const cuuint64_t global_strides[3] = {cuuint64_t(strides[0]) * 2, cuuint64_t(strides[1]) * 2,
-                                        cuuint64_t(strides[2]) * 2};
-  const cuuint32_t box[4] = {64, 1, box_rows, 1};
+  const uint32_t bytes = elem == TmaElem::kF32 ? 4 : 2;
+  const cuuint64_t global_strides[3] = {cuuint64_t(strides[0]) * bytes, cuuint64_t(strides[1]) * bytes,
+                                        cuuint64_t(strides[2]) * bytes};
+  const cuuint32_t box[4] = {128 / bytes, 1, box_rows, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+  const CUtensorMapDataType type = elem == TmaElem::kF32    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : elem == TmaElem::kBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                            : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult r = encode(map, type, 4,
                             const_cast<void*>(ptr), global_dims, global_strides, box, elem_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -106,14 +116,14 @@ inline cudaError_t make_tensor_map_4d(CUtensorMap* map, const void* ptr, bool is
 }
 
 // The map of a (batch, rows, heads, d) tensor with element strides (batch, row, head) as dims (d, heads, rows,
-// batch), boxes of 64 columns x one head x box_rows rows; with batches == 1 (e.g. varlen tensors: one batch of all
-// their rows) batch_stride is unused.
-inline cudaError_t make_rows_map(CUtensorMap* map, const void* ptr, bool is_bf16, int d, int heads, int rows,
+// batch), boxes of one 128-byte panel row x one head x box_rows rows; with batches == 1 (e.g. varlen tensors: one
+// batch of all their rows) batch_stride is unused.
+inline cudaError_t make_rows_map(CUtensorMap* map, const void* ptr, TmaElem elem, int d, int heads, int rows,
                                  int batches, int64_t head_stride, int64_t row_stride, int64_t batch_stride,
                                  uint32_t box_rows) {
   const uint64_t dims[4] = {uint64_t(d), uint64_t(heads), uint64_t(rows), uint64_t(batches)};
   const int64_t strides[3] = {head_stride, row_stride, batches == 1 ? row_stride * rows : batch_stride};
-  return make_tensor_map_4d(map, ptr, is_bf16, dims, strides, box_rows);
+  return make_tensor_map_4d(map, ptr, elem, dims, strides, box_rows);
 }
 
 }  // namespace sm90
