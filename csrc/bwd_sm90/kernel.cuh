@@ -196,7 +196,10 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
   const uint32_t k_dq = sK + (Tr::kSharedDq ? 0 : 64 * wg * 128) + (col0 / 64) * kBlockN * 128;
   // dQ tile stores: row r = 64 m + 16 warp + g + 8 h2 (r % 8 = g), columns c = col0 + 8 j + 2 t, + 1 in panel
   // c / 32, 16-byte chunk (c % 32) / 4 = 2 (j % 4) + t / 2 stored at chunk ^ g: one XOR by (j % 4) << 5 per j.
-  const uint32_t dq_x = sDq(tile_w) + (16 * warp + g) * 128 + (((t / 2) ^ g) << 4) + (t % 2) * 8;
+  // A half-warp serves a 64-bit store: rows g and g ^ 1 would put column groups j on the same banks, so odd rows
+  // store group j ^ 2 where even rows store j (bank-conflict-free; ncu counted 2-way conflicts otherwise).
+  const bool dq_swap = g & 1;
+  const uint32_t dq_x = (sDq(tile_w) + (16 * warp + g) * 128 + (((t / 2) ^ g) << 4) + (t % 2) * 8) ^ (dq_swap << 6);
   int head = hk * groups, mi = 0;  // of iteration it
   sm90::mbar_wait(kv_full, 0);     // also: no TMA lands after the CTA (iters == 0)
 
@@ -312,11 +315,12 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
+        for (int j = 0; j < 8; ++j) {  // this lane's group: j ^ 2 on odd rows (dq_x carries its address bit)
           const uint32_t addr =
               ((dq_x + (64 * m + 8 * h2) * 128) ^ ((j % 4) << 5)) + (col0 / 32 + j / 4) * kBlockM * 128;
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[m][j][2 * h2]),
-                       "f"(dq[m][j][2 * h2 + 1]));
+          const float x = dq_swap ? dq[m][j ^ 2][2 * h2] : dq[m][j][2 * h2];
+          const float y = dq_swap ? dq[m][j ^ 2][2 * h2 + 1] : dq[m][j][2 * h2 + 1];
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y));
         }
       }
     }
