@@ -1,0 +1,42 @@
+#!/bin/bash
+# Same-process A/B of backward kernels on the device: builds this checkout ("new") and each git worktree named in
+# VARIANTS (.wt/<name>, e.g. `git worktree add .wt/base main`; carry them), runs the bwd tests on "new", then
+# two alternating rounds of scripts/bwd_ab.py per build (cuDNN timed in every process) and prints the minimum
+# of each: ms, new / variant, cuDNN / new.   VARIANTS="base" bash scripts/bwd_ab.sh
+set -o pipefail
+export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=90a
+cd "$(dirname "$0")/.." && ROOT=$PWD
+OUT=${OUT:-out}; mkdir -p "$OUT"
+VARIANTS=${VARIANTS:-base}
+start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
+ln -sfn ../patches hf_flash/patches
+(MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OUT/build_new.log" 2>&1; echo "new rc=$?" > "$OUT/new.rc") &
+for v in $VARIANTS; do
+  ln -sfn ../patches ".wt/$v/hf_flash/patches"
+  (cd ".wt/$v" && MAX_JOBS=6 python3 setup.py build_ext --inplace > "$OUT/build_$v.log" 2>&1; echo "$v rc=$?" > "$OUT/$v.rc") &
+done
+wait; stamp "built: $(cat "$OUT"/*.rc | tr '\n' ' ')"
+PYTHONPATH=$ROOT timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short -m gpu tests/test_kernels_bwd.py \
+  > "$OUT/tests.log" 2>&1; stamp "tests rc=$?: $(tail -1 "$OUT/tests.log")"
+for round in 1 2; do
+  PYTHONPATH=$ROOT python3 scripts/bwd_ab.py new >> "$OUT/ab.csv" 2>>"$OUT/ab.err"
+  for v in $VARIANTS; do
+    (cd ".wt/$v" && PYTHONPATH=$PWD python3 "$ROOT/scripts/bwd_ab.py" "$v" >> "$ROOT/$OUT/ab.csv" 2>>"$ROOT/$OUT/ab.err")
+  done
+done
+stamp "a/b done"
+python3 - "$OUT/ab.csv" $VARIANTS <<'PY'
+import collections, sys
+t = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    tag, case, backend, ms, _ = line.strip().split(",")
+    t[(case, tag if backend == "hf_flash" else "cudnn")].append(float(ms))
+tags = ["new", *sys.argv[2:]]
+print(f"{'case':18} " + " ".join(f"{x:>8}" for x in tags) + f" {'cudnn':>8} "
+      + " ".join(f"{'new/' + x:>9}" for x in tags[1:]) + "  cudnn/new")
+for case in dict.fromkeys(c for c, _ in t):
+    ms = [min(t[(case, x)]) for x in tags]
+    cudnn = min(t[(case, "cudnn")])
+    print(f"{case:18} " + " ".join(f"{m:8.3f}" for m in ms) + f" {cudnn:8.3f} "
+          + " ".join(f"{m / ms[0]:9.3f}" for m in ms[1:]) + f"  {cudnn / ms[0]:9.3f}")
+PY
