@@ -8,17 +8,19 @@
 //             (query head, query block) into a 2-stage ring; its 32 lanes copy that block's LSE and D rows
 //             (0 past the sequence) into the stage with cp.async. A stage's "full" mbarrier completes with the
 //             TMA bytes and the 32 lanes' cp.async arrivals, its "empty" one with the 256 consumer threads'
-//             arrivals once their last wgmma on it has retired. Warp 1 + w, one lane: adds consumer warpgroup
-//             w's dQ tiles to the fp32 accumulator with kD / 32 TMA reductions (cp.reduce.async.bulk.tensor).
-//   consumers (240 registers): warpgroup w owns keys 64w..64w+63, and nothing in the loop waits for the other
-//     one, so one warpgroup's exp / dS arithmetic runs while the other one's wgmmas use the tensor cores.
-//     Per query block:
+//             arrivals once their last wgmma on it has retired. Warp 1 (+ w at d64), one lane: adds the dQ
+//             tile (of consumer warpgroup w) to the fp32 accumulator with kD / 32 TMA reductions
+//             (cp.reduce.async.bulk.tensor) once its dq_full mbarrier completes, then releases it (dq_empty).
+//   consumers (240 registers): warpgroup w owns keys 64w..64w+63. Per query block:
 //     S^T = K Q^T, dP^T = V dO^T             wgmma, both operands from smem
 //     P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T - D) scale     in registers
 //     dV += P^T dO, dK += dS^T Q             wgmma, P^T / dS^T as register A operands, dO / Q MN-major
-//     dQ_w = dS_w K_w (kBlockM x kD)         wgmma from this warpgroup's dS^T tile in smem (a 128-thread
-//                                            named barrier: its 4 warps' stores) and its 64 rows of K; stored
-//                                            as an fp32 tile (mbarriers dq_full[w] / dq_empty[w]) for warp 1 + w
+//     dQ = dS K                              wgmma from dS^T stored to smem, stored as an fp32 tile for the
+//                                            producer's reduction (Traits::kSharedDq):
+//       d128: both warpgroups' halves of dS^T form one 128-key tile (a 256-thread named barrier after the
+//             stores; double-buffered), warpgroup w computes dQ columns 64w..64w+63 into one shared tile;
+//       d64:  warpgroup w computes all of dQ over its own 64 keys from its own dS^T tile (a 128-thread
+//             barrier) into its own tile: nothing in the loop waits for the other warpgroup.
 //     dV is issued right after P^T at d128 (it runs under the dS^T arithmetic), after dS^T at d64 (registers),
 //     then dQ and dK; the dQ tile stores run under dK.
 // Varlen: Q / dO / K / V rows past a sequence are the next sequence's rows (zero past the tensor), all masked
