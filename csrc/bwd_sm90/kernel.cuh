@@ -57,7 +57,7 @@ struct Traits {
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, 2 dS^T tiles (kDStRows keys x kBlockM), the
   // dQ tiles (kD / 32 panels of kBlockM rows x 32 fp32: the dq_acc map's boxes), the LSE and D rings, then the
-  // mbarriers kv_full, full[kStages], empty[kStages], dq_full[2], dq_empty[2].
+  // mbarriers kv_full, full[kStages], empty[kStages], dq_full[2], dq_empty[2] (kDqTiles of each used).
   static constexpr int kKVBytes = kBlockN * kD * 2, kQBytes = kBlockM * kD * 2;
   static constexpr int kDStBytes = kDStRows * kBlockM * 2, kDqBytes = kBlockM * kD * 4, kRowBytes = kBlockM * 4;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kQBytes,
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
       sm90::mbar_init(full(st), 32);
       sm90::mbar_init(empty(st), Tr::kConsumerThreads);
     }
-    for (int w = 0; w < 2; ++w) {
+    for (int w = 0; w < Tr::kDqTiles; ++w) {
       sm90::mbar_init(dq_full(w), Tr::kDqThreads);
       sm90::mbar_init(dq_empty(w), 1);
     }
@@ -193,7 +193,7 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
   const int key0 = n0 + 64 * wg + 16 * warp + g;  // this thread's keys: key0, key0 + 8
   // dQ: this warpgroup's dS^T rows (kSharedDq: the keys of both warpgroups), its dQ columns (col0..col0 + 63),
   // the rows of K it multiplies, its dQ tile and that tile's mbarriers (kSharedDq: shared by both warpgroups).
-  constexpr int kRows = Tr::kDStRows, kDqKeys = kRows;
+  constexpr int kRows = Tr::kDStRows;
   const int dst_row = Tr::kSharedDq ? 64 * wg : 0, col0 = Tr::kSharedDq ? 64 * wg : 0, tile_w = Tr::kSharedDq ? 0 : wg;
   const uint32_t k_dq = sK + (Tr::kSharedDq ? 0 : 64 * wg * 128) + (col0 / 64) * kBlockN * 128;
   // dQ tile stores: row r = 64 m + 16 warp + g + 8 h2 (r % 8 = g), columns c = col0 + 8 j + 2 t, + 1 in panel
@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
       sm90::named_barrier_sync(1 + wg, 128);  // this warpgroup's 4 warps have written its dS^T tile
     }
 
-    // dQ (kBlockM x 64 here) = dS K over kDqKeys keys: dS^T panels (MN-major A, m64 row blocks of queries), K rows
+    // dQ (kBlockM x 64 here) = dS K over kRows keys: dS^T panels (MN-major A, m64 row blocks of queries), K rows
     // (MN-major B); then dK += dS^T Q.
     float dq[kBlockM / 64][8][4];
     const uint64_t k_desc = sm90::desc(k_dq, kBlockN * 128), q_desc = sm90::desc(q_s, kBlockM * 128);
@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
     for (int m = 0; m < kBlockM / 64; ++m) {
       const uint64_t ds_desc = sm90::desc(dst + m * kRows * 128, kRows * 128);
 #pragma unroll
-      for (int kk = 0; kk < kDqKeys / 16; ++kk)
+      for (int kk = 0; kk < kRows / 16; ++kk)
         sm90::mma_ss<64, kIsBf16, 1, 1>(dq[m], sm90::desc_add(ds_desc, kk * 2048), sm90::desc_add(k_desc, kk * 2048),
                                         kk > 0);
     }
