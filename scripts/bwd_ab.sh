@@ -6,7 +6,7 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=90a
 cd "$(dirname "$0")/.." && ROOT=$PWD
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=$(realpath -m "${OUT:-out}"); mkdir -p "$OUT"  # absolute: the variants run from their worktrees
 VARIANTS=${VARIANTS:-base}
 start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 ln -sfn ../patches hf_flash/patches
@@ -21,7 +21,7 @@ PYTHONPATH=$ROOT timeout 240 python3 -m pytest -q -p no:cacheprovider --tb=short
 for round in 1 2; do
   PYTHONPATH=$ROOT python3 scripts/bwd_ab.py new >> "$OUT/ab.csv" 2>>"$OUT/ab.err"
   for v in $VARIANTS; do
-    (cd ".wt/$v" && PYTHONPATH=$PWD python3 "$ROOT/scripts/bwd_ab.py" "$v" >> "$ROOT/$OUT/ab.csv" 2>>"$ROOT/$OUT/ab.err")
+    (cd ".wt/$v" && PYTHONPATH=$PWD python3 "$ROOT/scripts/bwd_ab.py" "$v" >> "$OUT/ab.csv" 2>>"$OUT/ab.err")
   done
 done
 stamp "a/b done"

@@ -58,3 +58,35 @@ def test_interleaved_generate_takes_turns(tiny_case):
     warm_up, rounds = tiny_case[:3], tiny_case[3:]  # one warm-up call each, then 3 rounds
     assert warm_up == runnable
     assert rounds == runnable + runnable[1:] + runnable[:1] + runnable[2:] + runnable[:2]
+
+
+def test_interleaved_train_takes_turns(monkeypatch):
+    """The e2e training measurement: every backend's model resident, warm-up steps first, then the timed steps
+    take turns; a backend that cannot be built gets an error row."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_flash.bench import e2e
+
+    steps = []
+
+    def build_model(backend, layers, max_positions):
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=backend)
+        model.register_forward_hook(lambda *_: steps.append(backend))
+        return model
+
+    monkeypatch.setattr(e2e, "build_model", build_model)
+    monkeypatch.setitem(e2e.TRAIN_SHAPES, "tiny", (2, 8))
+    monkeypatch.setattr(e2e, "train_batch", lambda shape: {"input_ids": torch.randint(0, 64, (2, 8)),
+                                                           "labels": torch.randint(0, 64, (2, 8))})
+    for name, value in {"synchronize": None, "memory_allocated": 0, "reset_peak_memory_stats": None,
+                        "max_memory_allocated": 0, "empty_cache": None}.items():
+        monkeypatch.setattr(torch.cuda, name, lambda value=value: value)
+    backends = ["hf_flash", "no_such_backend", "sdpa"]
+    rows = e2e.measure_train(backends, "tiny", layers=1, steps=2)
+    assert [r.backend for r in rows] == backends
+    assert "no_such_backend" in rows[1].error
+    assert all(r.tokens_per_s > 0 and not r.error for r in (rows[0], rows[2]))
+    warm = e2e.WARMUP_STEPS
+    assert steps == ["hf_flash"] * warm + ["sdpa"] * warm + ["hf_flash", "sdpa", "sdpa", "hf_flash"]

@@ -44,6 +44,11 @@ struct Traits {
   static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
   static_assert(kBlockN == 2 * 64, "two consumer warpgroups of 64 keys");
   static constexpr bool kDvBeforeDs = kBlockM == 64;  // at kBlockM = 128, P^T (in flight) + dS^T exceed 240
+  // P^T's mask as a compare pair per element, branch-free (d128: 1.03-1.07x, benchmarks/NOTES-sm90.md). The
+  // short-circuit row / key tests compile to one small branch per element, each a ~20-cycle stall before dV can
+  // issue; but at kBlockM = 128 any branch-free exp loop lets ptxas schedule past 240 registers (spills, and
+  // C7512 serialises the wgmmas), so d64 keeps them.
+  static constexpr bool kBranchFreeMask = kBlockM == 64;
   // dQ (measured, benchmarks/NOTES-sm90.md): kSharedDq (d128), the warpgroups' dS^T halves form one tile of
   // the 128 keys (double-buffered: the other warpgroup's dQ wgmma may still read block it - 1) and warpgroup w
   // computes dQ columns 64w..64w+63 over all of them into one dQ tile; else (d64) each warpgroup computes all of
@@ -234,6 +239,15 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
     // P^T (masked: causal diagonal, sequence ends) into the A fragments of dV += P^T dO.
     sm90::wait<1>();
     sm90::fence_operand(s);
+    // Mask (Traits::kBranchFreeMask): P^T element (key0 + 8 h, row0 + c), c = 8 j + r % 2, h = r / 2, is
+    // visible iff first[h] <= c < end, a compare pair against an immediate c; else the short-circuit tests.
+    const int row0 = m0 + 2 * t, end = seq.sq - row0;
+    int first[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = key0 + 8 * h;
+      first[h] = key >= seq.sk ? INT_MAX : causal ? key - off - row0 : INT_MIN;  // rows >= key - off see the key
+    }
     const bool all_visible =
         n0 + kBlockN <= seq.sk && m0 + kBlockM <= seq.sq && (!causal || n0 + kBlockN - 1 <= m0 + off);
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
@@ -244,9 +258,12 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
       l2.y *= bwd::kLog2e;
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int key = key0 + 8 * (r / 2), row = m0 + 8 * j + 2 * t + r % 2;
+        const int c = 8 * j + r % 2, key = key0 + 8 * (r / 2), row = row0 + c;
+        const bool visible = Tr::kBranchFreeMask
+                                 ? (c >= first[r / 2]) & (c < end)
+                                 : all_visible || (row < seq.sq && key < seq.sk && (!causal || key <= row + off));
         const float prob = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -(r % 2 ? l2.y : l2.x)));
-        s[j][r] = all_visible || (row < seq.sq && key < seq.sk && (!causal || key <= row + off)) ? prob : 0.f;
+        s[j][r] = visible ? prob : 0.f;
       }
       pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
       pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);

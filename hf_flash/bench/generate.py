@@ -118,7 +118,7 @@ def _generator(backend: str, shape: str, cache: str, layers: int, new_tokens: in
     return generate, sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def _error_row(task: str, shape: str, backend: str, e: Exception) -> Row:
+def error_row(task: str, shape: str, backend: str, e: Exception) -> Row:
     return Row(task, shape, backend, float("nan"), float("nan"),
                error=f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:120])
 
@@ -137,7 +137,7 @@ def measure(backend: str, shape: str, cache: str, layers: int = 8, new_tokens: i
         return Row(task, shape, backend, batch * new_tokens / seconds, torch.cuda.max_memory_allocated() / 2**30,
                    prefill * 1e3)
     except Exception as e:  # noqa: BLE001  (whatever stops a backend on a case is its result)
-        return _error_row(task, shape, backend, e)
+        return error_row(task, shape, backend, e)
     finally:
         generate = None
         gc.collect()
@@ -145,13 +145,35 @@ def measure(backend: str, shape: str, cache: str, layers: int = 8, new_tokens: i
         torch.cuda.empty_cache()
 
 
+def take_turns(cases: dict, rounds: int) -> dict:
+    """Times ``rounds`` calls of every case's ``run()`` with all of them resident, taking turns (the first case
+    of each round rotates), so drift over a process falls on every backend alike. Adds to each case dict its
+    "times" and "peak" (the most one call allocated on top of what was resident: the other models too).
+    Returns {name: exception} of the cases that raised (removed from ``cases``)."""
+    failed = {}
+    for case in cases.values():
+        case.update(times=[], peak=0)
+    for step in range(rounds):
+        order = list(cases)
+        for name in order[step % len(order):] + order[:step % len(order)]:
+            case = cases[name]
+            try:
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                case["times"].append(timed(case["run"], warmup=0, steps=1))
+                case["peak"] = max(case["peak"], torch.cuda.max_memory_allocated() - base)
+            except Exception as e:  # noqa: BLE001
+                failed[name] = e
+                del cases[name]
+    return failed
+
+
 @torch.no_grad()
 def measure_interleaved(backends: list[str], shape: str, layers: int = 8, new_tokens: int = NEW_TOKENS,
                         steps: int = 3) -> list[Row]:
-    """Every backend on one dynamic-cache case, all models loaded, the timed calls taking turns (the
-    first backend of each round rotates): host-bound generation drifts ~15% over one process, and this
-    spreads the drift over all backends alike. Peak memory = the backend's weights + the most its own
-    call allocated on top of what was resident (the other models)."""
+    """Every backend on one dynamic-cache case, all models loaded, the timed calls taking turns
+    (``take_turns``): host-bound generation drifts ~15% over one process. Peak memory = the backend's
+    weights + the most its own call allocated on top of what was resident."""
     batch = SHAPES[shape][0]
     task = "generate-dynamic"
     ready, rows = {}, {}
@@ -160,24 +182,14 @@ def measure_interleaved(backends: list[str], shape: str, layers: int = 8, new_to
             generate, weights = _generator(backend, shape, "dynamic", layers, new_tokens)
             prefill = timed(lambda: generate(1), warmup=1, steps=steps)
             generate(new_tokens)  # warm-up
-            ready[backend] = {"generate": generate, "weights": weights, "prefill": prefill, "times": [], "peak": 0}
+            ready[backend] = {"run": lambda g=generate: g(new_tokens), "weights": weights, "prefill": prefill}
         except Exception as e:  # noqa: BLE001
-            rows[backend] = _error_row(task, shape, backend, e)
-    for step in range(steps):
-        order = list(ready)
-        for backend in order[step % len(order):] + order[:step % len(order)]:
-            case = ready[backend]
-            try:
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                case["times"].append(timed(lambda: case["generate"](new_tokens), warmup=0, steps=1))
-                case["peak"] = max(case["peak"], torch.cuda.max_memory_allocated() - base)
-            except Exception as e:  # noqa: BLE001
-                rows[backend] = _error_row(task, shape, backend, e)
-                del ready[backend]
+            rows[backend] = error_row(task, shape, backend, e)
+    for backend, e in take_turns(ready, steps).items():
+        rows[backend] = error_row(task, shape, backend, e)
     for backend, case in ready.items():
         rows[backend] = Row(task, shape, backend, batch * new_tokens / statistics.median(case["times"]),
-                                (case["weights"] + case["peak"]) / 2**30, case["prefill"] * 1e3)
+                            (case["weights"] + case["peak"]) / 2**30, case["prefill"] * 1e3)
     ready = None
     gc.collect()
     torch.cuda.empty_cache()
