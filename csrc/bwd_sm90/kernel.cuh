@@ -11,9 +11,9 @@
 //             arrivals once their last wgmma on it has retired. Warp 1 (+ w at d64), one lane: adds the dQ
 //             tile (of consumer warpgroup w) to the fp32 accumulator with kD / 32 TMA reductions
 //             (cp.reduce.async.bulk.tensor) once its dq_full mbarrier completes, then releases it (dq_empty).
-//   consumers (240 registers): warpgroup w owns keys 64w..64w+63. Per query block:
+//   consumers (240 registers): warpgroup w owns keys 64w..64w+63. Per query block of 64 rows:
 //     S^T = K Q^T, dP^T = V dO^T             wgmma, both operands from smem
-//     P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T - D) scale     in registers
+//     P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T - D) scale     in registers, branch-free
 //     dV += P^T dO, dK += dS^T Q             wgmma, P^T / dS^T as register A operands, dO / Q MN-major
 //     dQ = dS K                              wgmma from dS^T stored to smem, stored as an fp32 tile for the
 //                                            producer's reduction (Traits::kSharedDq):
@@ -21,8 +21,8 @@
 //             stores; double-buffered), warpgroup w computes dQ columns 64w..64w+63 into one shared tile;
 //       d64:  warpgroup w computes all of dQ over its own 64 keys from its own dS^T tile (a 128-thread
 //             barrier) into its own tile: nothing in the loop waits for the other warpgroup.
-//     dV is issued right after P^T at d128 (it runs under the dS^T arithmetic), after dS^T at d64 (registers),
-//     then dQ and dK; the dQ tile stores run under dK.
+//     dV is issued right after P^T (it runs under the dS^T arithmetic), then dQ and dK; the dQ tile stores
+//     run under dK.
 // Varlen: Q / dO / K / V rows past a sequence are the next sequence's rows (zero past the tensor), all masked
 // (P = 0, dS = 0), so their dQ rows add 0 to the next sequence's (non-finite input there aside); K / V rows past
 // it are not stored. Tiles are 128-byte swizzled panels (sm90/wgmma.cuh). See benchmarks/NOTES-sm90.md.
@@ -38,17 +38,13 @@ namespace bwd_sm90 {
 
 template <bool kIsBf16, int kHeadDim>
 struct Traits {
-  // 128 x 128 (d64) and 128 keys x 64 queries (d128) tiles: dK, dV and S^T, dP^T (or dQ) fit in 240 registers.
-  static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = kHeadDim == 64 ? 128 : 64;
+  // 128 keys x 64 queries: dK, dV and S^T, dP^T (or dQ) fit in 240 registers with room for the scheduler (d64
+  // ran 128 queries before: with the branch-free mask below ptxas spilled and serialised the wgmmas, and 64
+  // measured 1.01-1.04x the 128-query kernel with the short-circuit mask; benchmarks/NOTES-sm90.md).
+  static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = 64;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "instantiated head dims");
   static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
   static_assert(kBlockN == 2 * 64, "two consumer warpgroups of 64 keys");
-  static constexpr bool kDvBeforeDs = kBlockM == 64;  // at kBlockM = 128, P^T (in flight) + dS^T exceed 240
-  // P^T's mask as a compare pair per element, branch-free (d128: 1.03-1.07x, benchmarks/NOTES-sm90.md). The
-  // short-circuit row / key tests compile to one small branch per element, each a ~20-cycle stall before dV can
-  // issue; but at kBlockM = 128 any branch-free exp loop lets ptxas schedule past 240 registers (spills, and
-  // C7512 serialises the wgmmas), so d64 keeps them.
-  static constexpr bool kBranchFreeMask = kBlockM == 64;
   // dQ (measured, benchmarks/NOTES-sm90.md): kSharedDq (d128), the warpgroups' dS^T halves form one tile of
   // the 128 keys (double-buffered: the other warpgroup's dQ wgmma may still read block it - 1) and warpgroup w
   // computes dQ columns 64w..64w+63 over all of them into one dQ tile; else (d64) each warpgroup computes all of
@@ -239,8 +235,9 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
     // P^T (masked: causal diagonal, sequence ends) into the A fragments of dV += P^T dO.
     sm90::wait<1>();
     sm90::fence_operand(s);
-    // Mask (Traits::kBranchFreeMask): P^T element (key0 + 8 h, row0 + c), c = 8 j + r % 2, h = r / 2, is
-    // visible iff first[h] <= c < end, a compare pair against an immediate c; else the short-circuit tests.
+    // Mask: P^T element (key0 + 8 h, row0 + c), c = 8 j + r % 2, h = r / 2, is visible iff first[h] <= c < end,
+    // a branch-free compare pair against an immediate c (d128 1.03-1.07x: short-circuit row / key tests compiled
+    // to one small branch per element, each a ~20-cycle stall before dV could issue).
     const int row0 = m0 + 2 * t, end = seq.sq - row0;
     int first[2];
 #pragma unroll
@@ -248,8 +245,6 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
       const int key = key0 + 8 * h;
       first[h] = key >= seq.sk ? INT_MAX : causal ? key - off - row0 : INT_MIN;  // rows >= key - off see the key
     }
-    const bool all_visible =
-        n0 + kBlockN <= seq.sk && m0 + kBlockM <= seq.sq && (!causal || n0 + kBlockN - 1 <= m0 + off);
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
@@ -258,18 +253,16 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
       l2.y *= bwd::kLog2e;
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int c = 8 * j + r % 2, key = key0 + 8 * (r / 2), row = row0 + c;
-        const bool visible = Tr::kBranchFreeMask
-                                 ? (c >= first[r / 2]) & (c < end)
-                                 : all_visible || (row < seq.sq && key < seq.sk && (!causal || key <= row + off));
+        const int c = 8 * j + r % 2;
         const float prob = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -(r % 2 ? l2.y : l2.x)));
-        s[j][r] = visible ? prob : 0.f;
+        s[j][r] = (c >= first[r / 2]) & (c < end) ? prob : 0.f;
       }
       pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
       pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
     }
-    // dV += P^T dO: k16 steps are 16 query rows (2048 bytes) of the MN-major dO panels.
-    auto issue_dv = [&] {
+    // dV += P^T dO, issued now so that it runs under the dS^T arithmetic: k16 steps are 16 query rows (2048
+    // bytes) of the MN-major dO panels.
+    {
       const uint64_t do_desc = sm90::desc(do_s, kBlockM * 128);
       sm90::fence();
       sm90::fence_operand(dv);
@@ -277,11 +270,10 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
       for (int kk = 0; kk < kBlockM / 16; ++kk)
         sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc_add(do_desc, kk * 2048), true);
       sm90::commit();
-    };
-    if constexpr (Tr::kDvBeforeDs) issue_dv();
+    }
 
     // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q and the dS^T tile for dQ.
-    sm90::wait<Tr::kDvBeforeDs ? 1 : 0>();  // dP^T (dV may still run)
+    sm90::wait<1>();  // dP^T (dV may still run)
     sm90::fence_operand(dp);
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
@@ -300,7 +292,6 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kRows * 128), "r"(packed));
       }
     }
-    if constexpr (!Tr::kDvBeforeDs) issue_dv();
     sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
     if constexpr (Tr::kSharedDq) {
       sm90::named_barrier_sync(1, Tr::kConsumerThreads);  // both halves of dS^T written
