@@ -1,8 +1,8 @@
 #!/bin/bash
 # Same-process A/B of backward kernels on the device: builds this checkout ("new") and each git worktree named in
 # VARIANTS (.wt/<name>, e.g. `git worktree add .wt/base main`; carry them), runs the bwd tests on "new", then
-# two alternating rounds of scripts/bwd_ab.py per build (cuDNN timed in every process) and prints the minimum
-# of each: ms, new / variant, cuDNN / new.   VARIANTS="base" bash scripts/bwd_ab.sh
+# two alternating rounds of scripts/kernel_ab.py per build (cuDNN timed in every process) and prints the minimum
+# of each: ms, new / variant, cuDNN / new.   VARIANTS="base" bash scripts/kernel_ab.sh
 # PASS=fwd times the forward instead (and runs the forward kernel tests).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=90a
@@ -23,9 +23,9 @@ PYTHONPATH=$ROOT timeout 240 python3 -m pytest -q -x -p no:cacheprovider --tb=sh
   > "$OUT/tests.log" 2>&1; rc=$?; stamp "tests rc=$rc: $(tail -1 "$OUT/tests.log")"
 [ $rc -eq 0 ] || exit $rc  # a build that fails its tests is not timed
 for round in 1 2; do
-  PYTHONPATH=$ROOT timeout 300 python3 scripts/bwd_ab.py new $PASS >> "$OUT/ab.csv" 2>>"$OUT/ab.err"
+  PYTHONPATH=$ROOT timeout 300 python3 scripts/kernel_ab.py new $PASS >> "$OUT/ab.csv" 2>>"$OUT/ab.err"
   for v in $VARIANTS; do
-    (cd ".wt/$v" && PYTHONPATH=$PWD timeout 300 python3 "$ROOT/scripts/bwd_ab.py" "$v" $PASS >> "$OUT/ab.csv" 2>>"$OUT/ab.err")
+    (cd ".wt/$v" && PYTHONPATH=$PWD timeout 300 python3 "$ROOT/scripts/kernel_ab.py" "$v" $PASS >> "$OUT/ab.csv" 2>>"$OUT/ab.err")
   done
 done
 stamp "a/b done"
