@@ -1,7 +1,15 @@
-"""The generation benchmark's interleaved measurement, on CPU with a tiny model (the GPU runs it for real):
-backends take turns, the first of each round rotates, and a backend that cannot run gets an error row
-without stopping the others."""
+"""The benchmarks' CPU-testable parts (the GPU runs them for real): argument parsing, the results file's
+format, the interleaving / median / spread helpers, the kernel and overhead measurements on the CPU with a
+fake timer (FlashAttention-4's column absent when it does not import), and the generation and training
+measurements with a tiny model: backends take turns, the first of each round rotates, and a backend that
+cannot run gets an error row without stopping the others."""
 from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import types
 
 import pytest
 import torch
@@ -69,24 +77,280 @@ def test_interleaved_train_takes_turns(monkeypatch):
 
     steps = []
 
-    def build_model(backend, layers, max_positions):
-        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+    def build_model(backend, layers, max_positions, model="llama"):
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers or 1,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=backend)
         model.register_forward_hook(lambda *_: steps.append(backend))
         return model
 
     monkeypatch.setattr(e2e, "build_model", build_model)
-    monkeypatch.setitem(e2e.TRAIN_SHAPES, "tiny", (2, 8))
+    monkeypatch.setitem(e2e.TRAIN_SHAPES, "tiny", ("llama", 2, 8))
     monkeypatch.setattr(e2e, "train_batch", lambda shape: {"input_ids": torch.randint(0, 64, (2, 8)),
                                                            "labels": torch.randint(0, 64, (2, 8))})
     for name, value in {"synchronize": None, "memory_allocated": 0, "reset_peak_memory_stats": None,
                         "max_memory_allocated": 0, "empty_cache": None}.items():
         monkeypatch.setattr(torch.cuda, name, lambda value=value: value)
     backends = ["hf_flash", "no_such_backend", "sdpa"]
-    rows = e2e.measure_train(backends, "tiny", layers=1, steps=2)
+    rows = e2e.measure_train(backends, "tiny", layers=1, rounds=3, steps=2)
     assert [r.backend for r in rows] == backends
     assert "no_such_backend" in rows[1].error
-    assert all(r.tokens_per_s > 0 and not r.error for r in (rows[0], rows[2]))
+    assert all(r.tokens_per_s > 0 and r.spread >= 0 and not r.error for r in (rows[0], rows[2]))
     warm = e2e.WARMUP_STEPS
-    assert steps == ["hf_flash"] * warm + ["sdpa"] * warm + ["hf_flash", "sdpa", "sdpa", "hf_flash"]
+    turns = ["hf_flash", "sdpa", "sdpa", "hf_flash", "hf_flash", "sdpa"]  # 3 rounds, the leader rotating
+    assert steps == ["hf_flash"] * warm + ["sdpa"] * warm + [b for b in turns for _ in range(2)]
+
+    steps.clear()  # one model at a time: built (and warmed up) anew every round, in rotated order
+    rows = e2e.measure_train(backends, "tiny", layers=1, rounds=2, steps=1, resident=False)
+    assert "no_such_backend" in rows[1].error and rows[0].tokens_per_s > 0 and rows[2].tokens_per_s > 0
+    assert steps == ["hf_flash"] * (warm + 1) + ["sdpa"] * (warm + 1) + ["sdpa"] * (warm + 1) + ["hf_flash"] * (warm + 1)
+
+
+# ---- argument parsing, the results file, the timing helpers ----
+
+def test_every_subcommand_parses_with_its_defaults():
+    from hf_flash.bench.__main__ import COMMANDS, build_parser
+
+    parser = build_parser()
+    for name in COMMANDS:
+        args = parser.parse_args([name])
+        assert args.command == name and args.no_record is False
+        assert args.results == os.path.join("benchmarks", "results.csv")
+    args = parser.parse_args(["kernels", "--quick", "--mode", "fwd", "--no-record", "--rounds", "5"])
+    assert args.quick and args.mode == "fwd" and args.no_record and args.rounds == 5
+    args = parser.parse_args(["e2e", "--rows", "smol-8x1024,1x32768", "--one-at-a-time", "--skip-generate"])
+    assert args.rows == "smol-8x1024,1x32768" and args.one_at_a_time and args.skip_generate
+    args = parser.parse_args(["overhead", "--ops", "fwd,decode", "--calls", "20"])
+    assert args.ops == "fwd,decode" and args.calls == 20
+
+
+def test_results_file_appends_rows_under_one_header(tmp_path):
+    from hf_flash.bench import results
+
+    path = str(tmp_path / "sub" / "results.csv")
+    env = {"date": "2026-11-24T00:00:00+00:00", "commit": "abc1234", "gpu": "H100", "torch": "2.13",
+           "cuda": "13.0", "cudnn": "91900"}
+    rows = [results.Result("fwd d128 causal 1k", "hf_flash", "tflops", 412.3456789, "TFLOP/s", 3.25),
+            results.Result("fwd d128 causal 1k", "fa4", "host_us", 31.0, "us"),
+            results.Result("fwd d128 causal 1k", "sdpa-cudnn", "tflops", float("nan"), "TFLOP/s")]
+    assert results.append(rows, "kernels", path, env) == 2  # the NaN (unmeasured) row is left out
+    assert results.append(rows[:1], "e2e", path, env) == 1
+    with open(path, newline="") as f:
+        lines = list(csv.reader(f))
+    assert tuple(lines[0]) == results.COLUMNS
+    assert len(lines) == 4 and all(len(line) == len(results.COLUMNS) for line in lines)
+    first = dict(zip(results.COLUMNS, lines[1]))
+    assert first == {**env, "bench": "kernels", "case": "fwd d128 causal 1k", "backend": "hf_flash",
+                     "metric": "tflops", "value": "412.346", "spread": "3.25", "unit": "TFLOP/s"}
+    assert dict(zip(results.COLUMNS, lines[2]))["spread"] == ""
+    assert dict(zip(results.COLUMNS, lines[3]))["bench"] == "e2e"
+
+
+def test_results_file_with_other_columns_is_refused(tmp_path):
+    from hf_flash.bench import results
+
+    path = tmp_path / "results.csv"
+    path.write_text("date,case,value\n")
+    with pytest.raises(ValueError, match="expected"):
+        results.append([results.Result("c", "b", "m", 1.0, "u")], "kernels", str(path), {})
+    with pytest.raises(ValueError, match="bench"):
+        results.append([], "", str(tmp_path / "new.csv"), {})
+
+
+def test_record_respects_no_record(tmp_path):
+    from hf_flash.bench import results
+
+    path = tmp_path / "results.csv"
+    args = argparse.Namespace(no_record=True, results=str(path))
+    results.record(args, "kernels", [results.Result("c", "b", "m", 1.0, "u")])
+    assert not path.exists()
+    args.no_record = False
+    results.record(args, "kernels", [results.Result("c", "b", "m", 1.0, "u")])
+    assert path.read_text().splitlines()[0] == ",".join(results.COLUMNS)
+    env = results.environment()
+    assert set(env) == set(results.COLUMNS[:6]) and env["commit"]
+
+
+def test_rounds_rotate_and_failures_drop_out():
+    from hf_flash.bench import timing
+
+    assert [timing.rotated(["a", "b", "c"], r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert timing.rotated([], 3) == []
+    calls = []
+
+    def measure(name, fn):
+        calls.append(name)
+        return fn()
+
+    broken = iter([1.0])  # measures once, then raises
+
+    values, failed = timing.take_turns({"a": lambda: 2.0, "b": lambda: next(broken), "c": lambda: 3.0}, 3, measure)
+    assert calls == ["a", "b", "c", "b", "c", "a", "a", "c"]  # b fails in round 2 and leaves
+    assert values == {"a": [2.0, 2.0, 2.0], "c": [3.0, 3.0, 3.0]}
+    assert isinstance(failed["b"], StopIteration)
+    with pytest.raises(ValueError, match="rounds"):
+        timing.take_turns({}, 0, measure)
+
+
+def test_median_and_spread():
+    from hf_flash.bench import timing
+
+    assert timing.median_spread([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert timing.median_spread([4.0, 1.0, 2.0, 3.0]) == (2.5, 1.0, 4.0)
+    assert timing.relative_spread([100.0, 95.0, 104.0]) == pytest.approx(0.09)
+    with pytest.raises(ValueError):
+        timing.median_spread([])
+
+
+# ---- FlashAttention-4 as a column, present or not ----
+
+@pytest.fixture
+def no_fa4(monkeypatch):
+    from hf_flash.bench import backends
+
+    for name in ("flash_attn", "flash_attn.cute", "flash_attn.cute.interface"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    backends.fa4.cache_clear()
+    yield
+    backends.fa4.cache_clear()
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    """A stand-in flash_attn.cute.interface whose functions return (out, lse) as FA4's do."""
+    from hf_flash.bench import backends
+
+    module = types.ModuleType("flash_attn.cute.interface")
+
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False):
+        return q * 2, None
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                               max_seqlen_k=None, seqused_k=None, causal=False):
+        return q * 3, None
+
+    module.flash_attn_func, module.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", types.ModuleType("flash_attn.cute"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", module)
+    backends.fa4.cache_clear()
+    yield
+    backends.fa4.cache_clear()
+
+
+def test_fa4_column_absent_when_flash_attn_cute_does_not_import(no_fa4):
+    from hf_flash.bench import backends, generate, e2e
+
+    assert not backends.fa4_available() and "flash_attn.cute" in backends.fa4()[2]
+    assert backends.available(["hf_flash", "fa4", "sdpa-cudnn"]) == ["hf_flash", "sdpa-cudnn"]
+    assert generate.FA4 not in generate.with_fa4(e2e.BACKENDS)
+    with pytest.raises(ValueError, match="unknown backend"):
+        backends.available(["hf_flash", "sdpa-cudnnn"])
+
+
+def test_fa4_column_present_when_it_imports(fake_fa4):
+    from hf_flash.bench import backends, generate, e2e
+
+    assert backends.available(["hf_flash", "fa4"]) == ["hf_flash", "fa4"]
+    assert generate.with_fa4(e2e.BACKENDS)[-1] == "flash_attention_4"
+    q = torch.ones(1, 4, 2, 8)
+    assert torch.equal(backends.dense("fa4", causal=True)(q, q, q), q * 2)  # the lse is dropped
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    assert torch.equal(backends.varlen("fa4", True, cu, 4)(q[0], q[0], q[0]), q[0] * 3)
+
+
+# ---- the kernel and overhead measurements, on the CPU with a fake timer ----
+
+class FakeTimer:
+    """Counts calls; GPU ms / host µs grow with every batch so medians and spreads are checkable."""
+
+    def __init__(self):
+        self.batches = []
+
+    def warm_up(self, fn, target_ms, max_calls):
+        fn()
+        return 2, 1.0
+
+    def __call__(self, fn, calls, host_ms_guess):
+        fn()
+        self.batches.append(fn)
+        n = len(self.batches)
+        return 1.0 + n, 10.0 * n
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    from hf_flash.bench import backends
+
+    monkeypatch.setattr(backends, "DEVICE", "cpu")
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+
+
+def test_kernel_cases_cover_the_grid():
+    from hf_flash.bench import kernels
+
+    full = kernels.cases(list(kernels.SETS), [64, 128], kernels.SEQLENS, kernels.LLAMA_SHAPES)
+    assert len(full) == 2 * 2 * 6 + 3 + 1
+    assert all(c.batch * c.seqlen == kernels.TOKENS and c.heads * c.d == kernels.HIDDEN for c in full[:24])
+    assert [c.name for c in full[24:]] == ["llama 8x1k", "llama 2x4k", "llama 1x16k", "varlen 8 docs"]
+    varlen = full[-1]
+    assert (varlen.heads, varlen.kv_heads, min(varlen.docs), max(varlen.docs)) == (32, 8, 1, 5000)
+    assert varlen.flops("bwd") == 2.5 * 4 * sum(n * n for n in varlen.docs) * 32 * 128 / 2
+    quick = kernels.cases(list(kernels.SETS), [64, 128], kernels.QUICK_SEQLENS, kernels.QUICK_LLAMA)
+    assert len(quick) == 2 * 2 * 2 + 1 + 1
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_kernel_measurement_interleaves_and_reports_spread(on_cpu, no_fa4, mode):
+    from hf_flash.bench import backends, kernels
+
+    names = backends.available(["hf_flash", "fa4", "sdpa-math", "sdpa-cudnn"])
+    assert names == ["hf_flash", "sdpa-math", "sdpa-cudnn"]
+    case = kernels.Case("tiny", 2, 16, 4, 2, 16, True)
+    timer, errors = FakeTimer(), {}
+    rows = kernels.measure_case(case, mode, names, 3, timer, torch.float32, errors)
+    assert [r.backend for r in rows] == ["hf_flash", "sdpa-math"]
+    assert list(errors) == [(mode, "tiny", "sdpa-cudnn")]  # no cuDNN on the CPU: n/a, not a crash
+    assert len(timer.batches) == 6  # 2 backends x 3 rounds
+    ours = rows[0]  # rounds 1, 4 and 5 (hf_flash leads round 1, follows in round 2, leads round 3)
+    assert (ours.gpu_ms_min, ours.gpu_ms, ours.gpu_ms_max) == (2.0, 5.0, 6.0)
+    assert (ours.host_us_min, ours.host_us, ours.host_us_max) == (10.0, 40.0, 50.0)
+    assert ours.tflops == pytest.approx(case.flops(mode) / 5.0 * 1e-9)
+    assert ours.tflops_min < ours.tflops < ours.tflops_max and ours.rounds == 3
+
+
+def test_kernel_tables_and_ratio():
+    from hf_flash.bench import kernels
+
+    def row(case, backend, tflops):
+        return kernels.Row("fwd", case, 128, True, 1024, 16, 16, 16, backend, 1.0, 0.9, 1.1, 30.0, 29.0, 31.0,
+                           tflops, tflops * 0.98, tflops * 1.01, 8, 3)
+
+    rows = [row("a", "hf_flash", 420.0), row("a", "fa4", 380.0), row("a", "sdpa-cudnn", 400.0),
+            row("b", "hf_flash", 300.0), row("b", "sdpa-flash", 250.0)]
+    assert kernels.ratios(rows) == {("fwd", "a"): (pytest.approx(1.05), "sdpa-cudnn")}
+    table = kernels.summary(rows).splitlines()
+    assert table[0].split() == ["case", "hf_flash", "TFLOP/s", "fa4", "cudnn", "ratio", "vs", "best", "spread"]
+    assert table[2].split() == ["fwd", "a", "420", "380", "400", "1.050", "(cudnn)", "3.0%"]
+    assert table[3].split() == ["fwd", "b", "300", "-", "-", "-", "3.0%"]
+    assert "30 / 1000" in kernels.host_table(rows)
+
+
+def test_overhead_measures_every_op_with_the_host_ratio(on_cpu, no_fa4):
+    from hf_flash.bench import backends, overhead
+
+    monkeypatch_shapes = {"tiny": (1, 16)}
+    overhead.SHAPES.update(monkeypatch_shapes)
+    try:
+        names = backends.available(["hf_flash", "sdpa-math", "fa4"])
+        rows, errors = [], {}
+        for op in overhead.OPS:
+            rows += overhead.measure("tiny", op, names, 4, 3, FakeTimer(), errors)
+    finally:
+        del overhead.SHAPES["tiny"]
+    got = {(r.op, r.backend) for r in rows}
+    assert {("fwd", "sdpa-math"), ("fwd-grad", "hf_flash"), ("bwd", "hf_flash"), ("decode", "sdpa-math")} <= got
+    table = overhead.summary(rows)
+    assert "hf/best sdpa host" in table and "tiny fwd" in table

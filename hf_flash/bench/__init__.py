@@ -1,1 +1,2 @@
-"""Benchmarks: ``python -m hf_flash.bench kernels [--mode fwd,bwd,fwdbwd] [--quick] [--out DIR]``."""
+"""Benchmarks: ``python -m hf_flash.bench {kernels,overhead,decode,e2e,generate} [--help]``; each appends its
+rows to benchmarks/results.csv (``--no-record`` skips it)."""

@@ -8,8 +8,8 @@ H heads beforehand, outside the timing). GB/s = K + V bytes of the cache (2 * B 
 time, whatever a backend reads in addition. Copy bandwidth: a torch copy of a 1 GiB buffer, (read +
 write bytes) / time. Every call is captured in a CUDA graph (no launch overhead in the timing, as in
 graph-captured generation) and replayed after an L2 flush, the backends taking turns; times are
-medians of CUDA events after warm-up. Writes decode.csv and prints a table: GB/s per backend,
-hf_flash in % of the copy bandwidth and its speedup over each SDPA backend.
+medians of CUDA events after warm-up. Writes decode.csv, appends to the results file and prints a table:
+GB/s per backend, hf_flash in % of the copy bandwidth and its speedup over each SDPA backend.
 """
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import _backends, write_csv
+from . import results
+from .backends import SDPA, sdpa_backend
+from .kernels import write_csv
 
 BATCH, KV_HEADS, HEAD_DIM = 8, 8, 128  # defaults; --batch changes B
 SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -45,6 +47,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--splits", default="1", help="comma list of fixed num_splits also timed (hf_flash-<n>split)")
     parser.add_argument("--reps", type=int, default=30, help="timed replays per case (after 3 warm-up)")
     parser.add_argument("--out", default="bench_out", help="directory for decode.csv")
+    results.add_arguments(parser)
 
 
 def capture(fn):
@@ -94,7 +97,7 @@ def copy_bandwidth(reps: int) -> float:
 def _sdpa(backend, q, k, v, enable_gqa: bool):
     from torch.nn.attention import sdpa_kernel
 
-    with sdpa_kernel(_backends()[backend]):
+    with sdpa_kernel(sdpa_backend(backend)):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)
 
 
@@ -114,7 +117,7 @@ def measure_case(batch: int, heads: int, seqlen: int, splits: list[int], reps: i
     cases = {("hf_flash", "kernel"): hf_flash(0)}
     cases.update({(f"hf_flash-{n}split", "kernel"): hf_flash(n) for n in splits})
     repeated = None
-    for backend in _backends():
+    for backend in SDPA:
         try:  # q_len 1: no causal mask needed (SDPA's is_causal aligns top-left)
             _sdpa(backend, q, k, v, enable_gqa=group > 1)
             cases[(backend, "enable_gqa" if group > 1 else "none")] = lambda b=backend: _sdpa(b, q, k, v, group > 1)
@@ -167,5 +170,7 @@ def run(args) -> None:
         rows += measure_case(args.batch, heads, seqlen, splits, args.reps, copy_gbps)
         torch.cuda.empty_cache()
     env = write_csv(rows, args.out, "decode.csv")
+    results.record(args, "decode", [results.Result(f"B{r.batch} H{r.heads}/{r.kv_heads} S{r.seqlen}", r.backend,
+                                                   "kv_read_gb_per_s", r.gb_per_s, "GB/s") for r in rows])
     print(json.dumps({**env, "copy_gb_per_s": round(copy_gbps, 1)}))
     print(summary(rows, copy_gbps))

@@ -1,47 +1,62 @@
-"""Whole models: training tokens/s and peak memory, generation tokens/s, for
-hf_flash against sdpa, eager and flex_attention in the same run.
+"""Whole models: training tokens/s and peak memory, generation tokens/s, for hf_flash against sdpa,
+flash_attention_4 (transformers' FlashAttention-4 backend, whenever ``flash_attn.cute`` imports),
+flex_attention and eager in the same run.
 
-Model: the generation benchmark's (``hf_flash.bench.generate``: Llama-style random
-init, 8 layers, hidden 2048, 16 query / 8 KV heads, bf16), trained with AdamW.
-Training shapes: 2 x 4096, 1 x 16384 (attention dominates) and one packed row of
-8192 tokens made of documents of random length (position ids restart per
-document). Generation: that benchmark's 8 x 1024 + 128 case, dynamic cache.
-Times: CUDA-synchronised wall clock, median of timed steps after warm-up steps; per case every
-backend's model is resident and the timed steps take turns, so drift over the process falls on all.
-Writes e2e.csv and e2e.png to --out and prints a table last.
+Models (``generate.MODELS``, random init, bf16, AdamW): the Llama-style one of the generation benchmark
+(8 layers, hidden 2048, 16 query / 8 KV heads) and a SmolLM2-135M-shaped one (30 layers, hidden 576, 9 / 3
+heads, d64, intermediate 1536, vocab 49152). Training rows (``--rows``): Llama 2 x 4096, 1 x 16384,
+1 x 32768 (max_position_embeddings 32768) and one packed row of 8192 tokens made of documents of random
+length (position ids restart per document); SmolLM2 shape at 8 x 1024 and 16 x 512. Generation: the
+generate benchmark's 8 x 1024 + 128 case, dynamic cache.
+Times: per training row every backend's model is resident (when memory allows; on running out, the row is
+redone one model at a time, building each anew per round in rotated order); after warm-up steps,
+``--rounds`` rounds in which the backends take turns, each turn ``--steps`` steps on the CUDA-synchronised
+wall clock; tokens/s = the median over rounds, spread = max - min. Writes e2e.csv and e2e.png to --out,
+appends to the results file and prints a table last.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-import statistics
 
 import torch
 
-from . import generate
-from .generate import Row, error_row, build_model, plot, summary, take_turns
+from . import generate, results
+from .generate import Row, build_model, error_row, plot, summary, take_turns, timed, with_fa4
 from .kernels import write_csv
+from .timing import median_spread, rotated
 
 BACKENDS = ("hf_flash", "sdpa", "flex_attention", "eager")
-TRAIN_SHAPES = {"2x4096": (2, 4096), "1x16384": (1, 16384), "packed-8192": (1, 8192)}
+# name -> (model, batch, tokens per row); "packed-" rows pack documents into one row.
+TRAIN_SHAPES = {"2x4096": ("llama", 2, 4096), "1x16384": ("llama", 1, 16384), "packed-8192": ("llama", 1, 8192),
+                "1x32768": ("llama", 1, 32768), "smol-8x1024": ("smol", 8, 1024), "smol-16x512": ("smol", 16, 512)}
 EAGER_MAX_TOKENS_PER_ROW = 4096  # eager materialises B*H*S^2 scores
+MIN_POSITIONS = 16384  # max_position_embeddings of the Llama rows, or the row's length if longer
 GEN_SHAPE = "8x1024"
 WARMUP_STEPS = 3
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--backends", default=",".join(BACKENDS))
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=10,
-                        help=f"timed training steps per backend, taking turns (after {WARMUP_STEPS} warm-up steps)")
+    parser.add_argument("--backends", default=None,
+                        help=f"comma list; default {','.join(BACKENDS)} and {generate.FA4} when FlashAttention-4 "
+                             "imports")
+    parser.add_argument("--rows", default=",".join(TRAIN_SHAPES),
+                        help=f"comma list of training rows: {', '.join(TRAIN_SHAPES)}")
+    parser.add_argument("--layers", type=int, default=8, help="depth of the Llama model (the SmolLM2 shape keeps 30)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds in which the backends take turns (median)")
+    parser.add_argument("--steps", type=int, default=3,
+                        help=f"timed training steps per turn (after {WARMUP_STEPS} warm-up steps)")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="one model resident at a time (order rotated per round) instead of all")
     parser.add_argument("--skip-generate", action="store_true")
     parser.add_argument("--out", default="bench_out", help="directory for e2e.csv / e2e.png")
+    results.add_arguments(parser)
 
 
 def train_batch(shape: str):
-    batch, seqlen = TRAIN_SHAPES[shape]
-    ids = torch.randint(0, 32000, (batch, seqlen), device="cuda")
+    _, batch, seqlen = TRAIN_SHAPES[shape]
+    ids = torch.randint(0, 32000, (batch, seqlen), device="cuda")  # below every model's vocabulary
     if not shape.startswith("packed"):
         return {"input_ids": ids, "labels": ids}
     gen = torch.Generator().manual_seed(0)
@@ -57,8 +72,12 @@ def train_batch(shape: str):
 def _trainer(backend: str, shape: str, layers: int):
     """(step(), resident bytes) of one backend's benchmark model: step() is one AdamW training step on the
     shape's batch; resident = weights + optimizer state, what the model holds between steps."""
+    model_name, _, seqlen = TRAIN_SHAPES[shape]
     batch = train_batch(shape)
-    model = build_model(backend, layers, max_positions=16384)
+    if model_name == "llama":
+        model = build_model(backend, layers, max_positions=max(MIN_POSITIONS, seqlen))
+    else:
+        model = build_model(backend, None, max_positions=max(8192, seqlen), model=model_name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def step():
@@ -73,27 +92,63 @@ def _trainer(backend: str, shape: str, layers: int):
     return step, sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.is_cuda)
 
 
-def measure_train(backends: list[str], shape: str, layers: int, steps: int) -> list[Row]:
-    """Every backend on one training shape, all models resident, the timed steps taking turns
-    (``generate.take_turns``): a fixed order drifts with clocks over a process. Peak memory = the model's
-    weights and optimizer state + the most its own step allocated on top of what was resident."""
-    tokens = TRAIN_SHAPES[shape][0] * TRAIN_SHAPES[shape][1]
-    ready, rows = {}, {}
-    for backend in backends:
-        try:
-            step, resident = _trainer(backend, shape, layers)
-            ready[backend] = {"run": step, "resident": resident}
-        except Exception as e:  # noqa: BLE001  (a backend that cannot run the shape)
-            rows[backend] = error_row("train", shape, backend, e)
-    for backend, e in take_turns(ready, steps).items():
-        rows[backend] = error_row("train", shape, backend, e)
-    for backend, case in ready.items():
-        rows[backend] = Row("train", shape, backend, tokens / statistics.median(case["times"]),
-                            (case["resident"] + case["peak"]) / 2**30)
-    ready = None
+def _free() -> None:
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def _one_at_a_time(backends: list[str], shape: str, layers: int, rounds: int, steps: int) -> tuple[dict, dict]:
+    """The resident measurement's result when the models do not fit together: per round, each backend's
+    model is built, warmed up and timed alone, in rotated order."""
+    cases, failed = {b: {"times": [], "peak": 0, "resident": 0} for b in backends}, {}
+    for r in range(rounds):
+        for backend in rotated([b for b in backends if b not in failed], r):
+            try:
+                step, resident = _trainer(backend, shape, layers)
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                cases[backend]["times"].append(timed(step, warmup=0, steps=1, calls=steps))
+                cases[backend]["peak"] = max(cases[backend]["peak"], torch.cuda.max_memory_allocated() - base)
+                cases[backend]["resident"] = resident
+            except Exception as e:  # noqa: BLE001
+                failed[backend] = e
+                del cases[backend]
+            step = None
+            _free()
+    return cases, failed
+
+
+def measure_train(backends: list[str], shape: str, layers: int, rounds: int = 3, steps: int = 3,
+                  resident: bool = True) -> list[Row]:
+    """Every backend on one training shape. Resident: all models built first, then ``rounds`` rounds of
+    turns (``generate.take_turns``; a fixed order drifts with clocks over a process). Peak memory = the
+    model's weights and optimizer state + the most its own steps allocated on top of what was resident."""
+    tokens = TRAIN_SHAPES[shape][1] * TRAIN_SHAPES[shape][2]
+    rows = {}
+    if resident:
+        ready = {}
+        for backend in backends:
+            try:
+                step, size = _trainer(backend, shape, layers)
+                ready[backend] = {"run": step, "resident": size}
+            except Exception as e:  # noqa: BLE001  (a backend that cannot run the shape)
+                rows[backend] = error_row("train", shape, backend, e)
+        failed = take_turns(ready, rounds, calls=steps)
+    else:
+        ready, failed = _one_at_a_time(backends, shape, layers, rounds, steps)
+    for backend, e in failed.items():
+        rows[backend] = error_row("train", shape, backend, e)
+    for backend, case in ready.items():
+        mid, lo, hi = median_spread([tokens / t for t in case["times"]])
+        rows[backend] = Row("train", shape, backend, mid, (case["resident"] + case["peak"]) / 2**30,
+                            spread=hi - lo)
+    ready = None
+    _free()
     return [rows[b] for b in backends]
+
+
+def _out_of_memory(rows: list[Row]) -> bool:
+    return any("OutOfMemoryError" in r.error for r in rows)
 
 
 def run(args) -> None:
@@ -101,17 +156,35 @@ def run(args) -> None:
 
     import hf_flash  # noqa: F401  (registers the backend)
 
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    jobs = [("train", shape) for shape in TRAIN_SHAPES]
+    backends = ([b.strip() for b in args.backends.split(",") if b.strip()] if args.backends
+                else list(with_fa4(BACKENDS)))
+    shapes = [s.strip() for s in args.rows.split(",") if s.strip()]
+    unknown = set(shapes) - set(TRAIN_SHAPES)
+    if unknown:
+        raise SystemExit(f"unknown --rows {sorted(unknown)}; choose from {list(TRAIN_SHAPES)}")
+    if args.rounds < 1 or args.steps < 1:
+        raise SystemExit("--rounds and --steps must be >= 1")
+    jobs = [("train", shape) for shape in shapes]
     if not args.skip_generate:
         jobs.append(("generate-dynamic", GEN_SHAPE))
     rows = []
-    for task, shape in tqdm(jobs, desc="e2e", unit="case"):  # each case: all backends, interleaved
+    for task, shape in (bar := tqdm(jobs, desc="e2e", unit="case")):  # each case: all backends, interleaved
+        bar.set_postfix_str(f"{task} {shape}")
         if task == "train":
-            eligible = [b for b in backends if not (b == "eager" and TRAIN_SHAPES[shape][1] > EAGER_MAX_TOKENS_PER_ROW)]
-            rows += measure_train(eligible, shape, args.layers, args.steps)
+            eligible = [b for b in backends if not (b == "eager" and TRAIN_SHAPES[shape][2] > EAGER_MAX_TOKENS_PER_ROW)]
+            case_rows = measure_train(eligible, shape, args.layers, args.rounds, args.steps,
+                                      resident=not args.one_at_a_time)
+            if not args.one_at_a_time and _out_of_memory(case_rows):
+                print(f"{shape}: out of memory with every model resident; one model at a time")
+                case_rows = measure_train(eligible, shape, args.layers, args.rounds, args.steps, resident=False)
+            rows += case_rows
         else:
             rows += generate.measure_interleaved(backends, shape, args.layers)
-    write_csv(rows, args.out, "e2e.csv")
+        write_csv(rows, args.out, "e2e.csv")  # after every case: a cut-off run keeps what it measured
     plot(rows, os.path.join(args.out, "e2e.png"))
+    results.record(args, "e2e", generate.to_results(rows))
     print(summary(rows))
+    spreads = [f"{r.shape} {r.backend} {100 * r.spread / r.tokens_per_s:.1f}%" for r in rows
+               if r.task == "train" and r.tokens_per_s > 0]
+    if spreads:
+        print("training tokens/s spread (max - min over rounds): " + ", ".join(spreads))

@@ -6,12 +6,15 @@ Model (also the e2e benchmark's): Llama-style random init, 8 layers, hidden 2048
 heads (d 128), intermediate 5632, vocab 32000, bf16. Cases: 8 x 1024-token prompts (left-padded by
 0..112 tokens) and 1 x 16384, each + 128 greedy tokens; a dynamic cache (decode steps run eagerly)
 and a static cache (transformers compiles the decode step: torch.compile, mode reduce-overhead,
-CUDA graphs). tokens/s = new tokens / wall time of the whole generate call (prefill included);
-prefill ms = a generate call of one new token. CUDA-synchronised wall clock, median of timed calls
+CUDA graphs). flash_attention_4 (transformers' FlashAttention-4 backend) joins the default backends whenever
+``flash_attn.cute`` imports. tokens/s = new tokens / wall time of the whole generate call (prefill
+included); prefill ms = a generate call of one new token, reported on its own (the issue-16 target:
+hf_flash's prefill <= the best other backend's). CUDA-synchronised wall clock, median of timed calls
 after a warm-up call (which also compiles). Dynamic-cache cases keep every backend's model loaded and time
 the backends in turns (generation is host-bound and drifts over a process); static-cache cases compile
 and time one model at a time. Writes generate.csv (after every case) and generate.png
-to --out and prints a table last: each backend against hf_flash, and hf_flash against the best other.
+to --out, appends tokens/s, prefill ms and peak GiB to the results file and prints a table last: each
+backend against hf_flash, and hf_flash's tokens/s and prefill against the best other's.
 """
 
 from __future__ import annotations
@@ -25,9 +28,18 @@ from dataclasses import dataclass
 
 import torch
 
+from . import results
+from .backends import fa4_available
 from .kernels import write_csv
+from .timing import rotated
 
 BACKENDS = ("hf_flash", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "eager", "flex_attention")
+FA4 = "flash_attention_4"  # transformers' name for FlashAttention-4
+# The benchmark models (random init, bf16): config fields; "layers" is the default depth (llama: --layers).
+MODELS = {"llama": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
+                    "num_key_value_heads": 8, "layers": 8},
+          "smol": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+                   "num_key_value_heads": 3, "layers": 30}}  # SmolLM2-135M's shape (d 64)
 SHAPES = {"8x1024": (8, 1024), "1x16384": (1, 16384)}
 CACHES = ("dynamic", "static")
 NEW_TOKENS = 128
@@ -43,40 +55,52 @@ class Row:
     peak_gib: float
     prefill_ms: float = float("nan")
     error: str = ""
+    spread: float = float("nan")  # tokens/s, max - min over rounds (e2e training)
+
+
+def with_fa4(backends) -> tuple:
+    """``backends`` plus flash_attention_4 when FlashAttention-4 imports."""
+    return (*backends, FA4) if fa4_available() else tuple(backends)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--backends", default=None,
+                        help=f"comma list; default {','.join(BACKENDS)} and {FA4} when FlashAttention-4 imports")
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
     parser.add_argument("--caches", default=",".join(CACHES), help="comma list of dynamic, static")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--steps", type=int, default=3, help="timed generate calls per case (after one warm-up)")
     parser.add_argument("--out", default="bench_out", help="directory for generate.csv / generate.png")
+    results.add_arguments(parser)
 
 
-def build_model(backend: str, layers: int, max_positions: int):
-    """The benchmark model (Llama-style, random init, bf16, on the GPU) with one attention implementation."""
+def build_model(backend: str, layers: int, max_positions: int, model: str = "llama"):
+    """A benchmark model (``MODELS``: Llama-style, random init, bf16, on the GPU) with one attention
+    implementation; ``layers`` None = the model's own depth."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=max_positions)
+    fields = dict(MODELS[model])
+    depth = fields.pop("layers")
+    config = LlamaConfig(**fields, num_hidden_layers=layers or depth, max_position_embeddings=max_positions)
     torch.manual_seed(0)
     with torch.device("cuda"):
         return AutoModelForCausalLM.from_config(config, attn_implementation=backend, dtype=torch.bfloat16)
 
 
-def timed(fn, warmup: int, steps: int) -> float:
-    """Median seconds of ``fn`` (CUDA-synchronised wall clock) after ``warmup`` calls."""
+def timed(fn, warmup: int, steps: int, calls: int = 1) -> float:
+    """Median over ``steps`` of the seconds per call of ``calls`` consecutive calls of ``fn``
+    (CUDA-synchronised wall clock), after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
@@ -145,22 +169,22 @@ def measure(backend: str, shape: str, cache: str, layers: int = 8, new_tokens: i
         torch.cuda.empty_cache()
 
 
-def take_turns(cases: dict, rounds: int) -> dict:
-    """Times ``rounds`` calls of every case's ``run()`` with all of them resident, taking turns (the first case
-    of each round rotates), so drift over a process falls on every backend alike. Adds to each case dict its
-    "times" and "peak" (the most one call allocated on top of what was resident: the other models too).
+def take_turns(cases: dict, rounds: int, calls: int = 1) -> dict:
+    """Times ``rounds`` turns of every case's ``run()`` with all of them resident, taking turns (the first case
+    of each round rotates, ``timing.rotated``), so drift over a process falls on every backend alike; a turn
+    is ``calls`` consecutive calls. Adds to each case dict its "times" (seconds per call, one per round) and
+    "peak" (the most one turn allocated on top of what was resident: the other models too).
     Returns {name: exception} of the cases that raised (removed from ``cases``)."""
     failed = {}
     for case in cases.values():
         case.update(times=[], peak=0)
     for step in range(rounds):
-        order = list(cases)
-        for name in order[step % len(order):] + order[:step % len(order)]:
+        for name in rotated(list(cases), step):
             case = cases[name]
             try:
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
-                case["times"].append(timed(case["run"], warmup=0, steps=1))
+                case["times"].append(timed(case["run"], warmup=0, steps=1, calls=calls))
                 case["peak"] = max(case["peak"], torch.cuda.max_memory_allocated() - base)
             except Exception as e:  # noqa: BLE001
                 failed[name] = e
@@ -215,7 +239,7 @@ def plot(rows: list[Row], path: str) -> None:
             ax.set_title(f"{task} {shape}", fontsize=9)
             ax.set_ylabel(label)
             ax.tick_params(axis="x", labelrotation=45, labelsize=7)
-    fig.suptitle(f"{torch.cuda.get_device_name()}: Llama 2048 hidden, 16/8 heads, bf16")
+    fig.suptitle(f"{torch.cuda.get_device_name()}, bf16")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -224,6 +248,7 @@ def summary(rows: list[Row]) -> str:
     lines = [f"{'task':17} {'shape':8} {'backend':15} {'tok/s':>8} {'prefill ms':>10} {'peak GiB':>8} "
              f"{'vs hf_flash':>11}"]
     ours = {(r.task, r.shape): r.tokens_per_s for r in rows if r.backend == "hf_flash" and r.tokens_per_s > 0}
+    prefill = {(r.task, r.shape): r.prefill_ms for r in rows if r.backend == "hf_flash" and r.prefill_ms > 0}
     for r in rows:
         base = ours.get((r.task, r.shape))
         ratio = f"{r.tokens_per_s / base:11.2f}" if base and r.tokens_per_s > 0 else f"{'-':>11}"
@@ -235,7 +260,27 @@ def summary(rows: list[Row]) -> str:
         if others:
             best = max(others, key=lambda r: r.tokens_per_s)
             lines.append(f"{task} {shape}: hf_flash {tokens / best.tokens_per_s:.2f}x the best other ({best.backend})")
+    for (task, shape), ms in prefill.items():
+        others = [r for r in rows if (r.task, r.shape) == (task, shape) and r.backend != "hf_flash"
+                  and r.prefill_ms > 0]
+        if others:
+            best = min(others, key=lambda r: r.prefill_ms)
+            lines.append(f"{task} {shape}: prefill hf_flash {ms:.1f} ms, the best other {best.prefill_ms:.1f} ms "
+                         f"({best.backend}): {best.prefill_ms / ms:.2f}x")
     return "\n".join(lines)
+
+
+def to_results(rows: list[Row]) -> list:
+    """The results file's rows of a generate or e2e table."""
+    out = []
+    for r in rows:
+        case = f"{r.task} {r.shape}"
+        metric = "train_tokens_per_s" if r.task == "train" else "tokens_per_s"
+        out += [results.Result(case, r.backend, metric, r.tokens_per_s, "tokens/s",
+                               None if r.spread != r.spread else r.spread),
+                results.Result(case, r.backend, "peak_gib", r.peak_gib, "GiB"),
+                results.Result(case, r.backend, "prefill_ms", r.prefill_ms, "ms")]
+    return out
 
 
 def run(args) -> None:
@@ -246,7 +291,7 @@ def run(args) -> None:
     def split(text):
         return [x.strip() for x in text.split(",") if x.strip()]
 
-    backends = split(args.backends)
+    backends = split(args.backends) if args.backends else list(with_fa4(BACKENDS))
     jobs = [(shape, cache, backend) for shape in split(args.shapes) for cache in split(args.caches)
             for backend in (backends if cache == "static" else [None])]
     rows = []
@@ -258,4 +303,5 @@ def run(args) -> None:
             rows += measure_interleaved(backends, shape, args.layers, args.new_tokens, args.steps)
         write_csv(rows, args.out, "generate.csv")  # after every case: a cut-off run keeps what it measured
     plot(rows, os.path.join(args.out, "generate.png"))
+    results.record(args, "generate", to_results(rows))
     print(summary(rows))

@@ -1,210 +1,322 @@
-"""Attention kernels on the FlashAttention paper grid: hf_flash against each SDPA backend.
+"""Attention kernels, hf_flash against FlashAttention-4 (whenever ``flash_attn.cute`` imports), cuDNN and
+SDPA-flash, on the same tensors in one process.
 
-B*S = 16k tokens, H*D = 2048, d in {64, 128}, causal and not, S = 512..16k.
-FLOPs = 4*B*S^2*H*D (halved when causal); backward 2.5x that, forward+backward 3.5x.
-Times are medians of CUDA-event timings after warm-up (triton.testing.do_bench).
-Writes kernels.csv and kernels.png to --out and prints a table with the ratio to SDPA-flash.
+Cases: the FlashAttention paper grid (B*S = 16k tokens, H*D = 2048, d in {64, 128}, causal and not,
+S = 512..16k), the Llama GQA 32/8 d128 causal shapes 8 x 1024, 2 x 4096, 1 x 16384, and a packed varlen
+batch of 8 causal documents of 1..5000 tokens (GQA 32/8, d128; SDPA has no packed form).
+FLOPs = 4*B*S^2*H*D (sum over documents when packed; halved when causal); backward 2.5x, forward+backward 3.5x.
+Inputs have ``requires_grad=True`` for every pass, as in training; the backward is
+``torch.autograd.grad`` of a retained forward graph (no gradient accumulation kernels).
+Timing (``timing.CallTimer``): each backend's batch of back-to-back calls is enqueued behind a sleep kernel,
+CUDA events give GPU time per call and the enqueueing's wall clock the host time per call; backends take
+turns in each of ``--rounds`` rounds (rotating who leads) and each cell is the median over rounds, with
+their min-max spread. Writes kernels.csv and kernels.png (hf_flash / max(FA4, cuDNN) per case) to --out,
+appends to the results file and prints the table last.
 """
 
 from __future__ import annotations
 
 import csv
-import datetime
 import json
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
 
+from . import backends as B
+from . import results
+from .timing import CallTimer, median_spread, relative_spread, short_error, take_turns
+
 TOKENS, HIDDEN = 16384, 2048
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
-QUICK_SEQLENS = (2048, 8192)
+QUICK_SEQLENS = (1024, 8192)
+LLAMA_SHAPES = ((8, 1024), (2, 4096), (1, 16384))  # (batch, seqlen), GQA 32/8, d128, causal
+QUICK_LLAMA = ((8, 1024),)
+VARLEN_DOCS = (1, 300, 1000, 1700, 2500, 3300, 4200, 5000)  # tokens per packed document
+SETS = ("grid", "llama", "varlen")
 MODES = ("fwd", "bwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+DEFAULT_BACKENDS = ("hf_flash", B.FA4, "sdpa-cudnn", "sdpa-flash")
+BASELINES = (B.FA4, "sdpa-cudnn")  # the ratio column and plot: hf_flash / the best of these
 MATH_MAX_SEQLEN = 4096  # the math backend materialises B*H*S^2 scores
+TARGET_MS, MAX_CALLS = 20.0, 32  # per backend and round: ~20 ms of calls, at most 32 (launch queue depth)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    batch: int
+    seqlen: int  # the longest document when packed
+    heads: int
+    kv_heads: int
+    d: int
+    causal: bool
+    docs: tuple = ()  # packed document lengths; empty = dense
+
+    def flops(self, mode: str) -> float:
+        squares = sum(n * n for n in self.docs) if self.docs else self.batch * self.seqlen**2
+        return 4 * squares * self.heads * self.d / (2 if self.causal else 1) * FLOP_FACTOR[mode]
 
 
 @dataclass
 class Row:
     mode: str
+    case: str
     d: int
     causal: bool
     seqlen: int
     batch: int
     heads: int
+    kv_heads: int
     backend: str
-    ms: float
+    gpu_ms: float
+    gpu_ms_min: float
+    gpu_ms_max: float
+    host_us: float
+    host_us_min: float
+    host_us_max: float
     tflops: float
-    peak_mib: float
+    tflops_min: float
+    tflops_max: float
+    calls: int
+    rounds: int
+
+
+def _size(s: int) -> str:
+    return f"{s // 1024}k" if s % 1024 == 0 else str(s)
+
+
+def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple) -> list[Case]:
+    out = []
+    if "grid" in sets:
+        out += [Case(f"d{d} {'causal' if c else 'full'} {_size(s)}", TOKENS // s, s, HIDDEN // d, HIDDEN // d, d, c)
+                for d in head_dims for c in (False, True) for s in seqlens]
+    if "llama" in sets:
+        out += [Case(f"llama {b}x{_size(s)}", b, s, 32, 8, 128, True) for b, s in llama]
+    if "varlen" in sets:
+        out.append(Case(f"varlen {len(VARLEN_DOCS)} docs", len(VARLEN_DOCS), max(VARLEN_DOCS), 32, 8, 128, True,
+                        VARLEN_DOCS))
+    return out
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--mode", default="fwd", help="comma list of fwd, bwd, fwdbwd")
-    parser.add_argument("--quick", action="store_true", help=f"S in {QUICK_SEQLENS} only")
+    parser.add_argument("--mode", default="fwd,bwd", help="comma list of fwd, bwd, fwdbwd")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"S in {QUICK_SEQLENS}, Llama 8x1024 and the packed batch only (< 5 min on an H100)")
+    parser.add_argument("--sets", default=",".join(SETS), help=f"comma list of {', '.join(SETS)}")
     parser.add_argument("--head-dims", default="64,128")
+    parser.add_argument("--seqlens", default="", help="comma list overriding the grid's S")
+    parser.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
+                        help=f"comma list of hf_flash, {B.FA4}, {', '.join(B.SDPA)} ({B.FA4} when it imports)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (median, spread)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--out", default="bench_out", help="directory for kernels.csv / kernels.png")
+    results.add_arguments(parser)
 
 
-def _backends():
-    from torch.nn.attention import SDPBackend
-
-    return {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
-            "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa-math": SDPBackend.MATH}
+def split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _attention(backend: str, causal: bool):
-    """f(q, k, v) on (B, S, H, D) tensors."""
-    if backend == "hf_flash":
-        from hf_flash import flash_attn_func
-
-        return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
-    from torch.nn.attention import sdpa_kernel
-
-    sdpa_backend = _backends()[backend]
-
-    def sdpa(q, k, v):
-        with sdpa_kernel(sdpa_backend):
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
-        return out.transpose(1, 2)
-
-    return sdpa
+def _inputs(case: Case, dtype):
+    kw = {"device": B.DEVICE, "dtype": dtype, "requires_grad": True}
+    lead = (sum(case.docs),) if case.docs else (case.batch, case.seqlen)
+    q = torch.randn(*lead, case.heads, case.d, **kw)
+    k, v = (torch.randn(*lead, case.kv_heads, case.d, **kw) for _ in range(2))
+    return q, k, v
 
 
-def _hf_flash_backward_built() -> bool:
-    q = torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    try:
-        _attention("hf_flash", False)(q, q, q).sum().backward()
-        return True
-    except RuntimeError:
-        return False
+def _attention(backend: str, case: Case):
+    if not case.docs:
+        return B.dense(backend, case.causal)
+    cu = torch.tensor([0, *torch.tensor(case.docs).cumsum(0).tolist()], dtype=torch.int32, device=B.DEVICE)
+    return B.varlen(backend, case.causal, cu, max(case.docs))
 
 
-def _bench(fn, grads) -> float:
-    import triton.testing
+def _call(mode: str, attn, q, k, v, dout):
+    """The zero-argument call timed for ``mode``."""
+    inputs = (q, k, v)
+    if mode == "fwd":
+        return lambda: attn(q, k, v)
+    if mode == "bwd":
+        out = attn(q, k, v)
+        return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
+    return lambda: torch.autograd.grad(attn(q, k, v), inputs, dout)
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads, return_mode="median")
 
-
-def measure(mode: str, backend: str, d: int, causal: bool, seqlen: int, dtype) -> Row | None:
-    batch, heads = TOKENS // seqlen, HIDDEN // d
-    attn = _attention(backend, causal)
-    needs_grad = mode != "fwd"
-    q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=dtype, requires_grad=needs_grad)
-               for _ in range(3))
+def measure_case(case: Case, mode: str, names: list[str], rounds: int, timer: CallTimer, dtype,
+                 errors: dict) -> list[Row]:
+    """Every backend on one case and pass, the backends taking turns in each round."""
+    q, k, v = _inputs(case, dtype)
     dout = torch.randn_like(q)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    try:
-        if mode == "fwd":
-            fn = lambda: attn(q, k, v)  # noqa: E731
-        elif mode == "bwd":
-            out = attn(q, k, v)
-            fn = lambda: out.backward(dout, retain_graph=True)  # noqa: E731
-        else:
-            fn = lambda: attn(q, k, v).backward(dout)  # noqa: E731
-        fn()
+    fns, sizes = {}, {}
+    for name in names:
+        try:
+            fn = _call(mode, _attention(name, case), q, k, v, dout)
+            sizes[name] = list(timer.warm_up(fn, TARGET_MS, MAX_CALLS))
+            fns[name] = fn
+        except Exception as e:  # noqa: BLE001  (the backend refuses the shape, or is absent)
+            errors[(mode, case.name, name)] = short_error(e)
         torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-        ms = _bench(fn, [q, k, v] if needs_grad else None)
-    except (RuntimeError, torch.cuda.OutOfMemoryError):  # backend refuses the shape, or no memory
-        return None
-    finally:
-        del q, k, v, dout
-    flops = 4 * batch * seqlen**2 * heads * d / (2 if causal else 1) * FLOP_FACTOR[mode]
-    return Row(mode, d, causal, seqlen, batch, heads, backend, ms, flops / ms * 1e-9, peak)
 
+    def measure(name, fn):
+        calls, host_guess = sizes[name]
+        gpu_ms, host_us = timer(fn, calls, host_guess)
+        sizes[name][1] = host_us * calls * 1e-3  # the next round's sleep from what the host really took
+        return gpu_ms, host_us
 
-def environment() -> dict:
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version(), "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    values, failed = take_turns(fns, rounds, measure)
+    errors.update({(mode, case.name, name): short_error(e) for name, e in failed.items()})
+    rows = []
+    for name, per_round in values.items():
+        gpu = median_spread([g for g, _ in per_round])
+        host = median_spread([h for _, h in per_round])
+        tf = median_spread([case.flops(mode) / g * 1e-9 for g, _ in per_round])
+        rows.append(Row(mode, case.name, case.d, case.causal, case.seqlen, case.batch, case.heads, case.kv_heads,
+                        name, *gpu, *host, *tf, sizes[name][0], len(per_round)))
+    fns = values = None
+    del q, k, v, dout
+    torch.cuda.empty_cache()
+    return rows
 
 
 def write_csv(rows, out_dir: str, name: str) -> dict:
-    """Rows (dataclasses) plus the environment on every line, for appending runs together; returns the environment."""
+    """Rows (dataclasses) plus the environment on every line; returns the environment."""
     os.makedirs(out_dir, exist_ok=True)
-    env = environment()
+    env = results.environment()
     with open(os.path.join(out_dir, name), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*asdict(rows[0]), *env])
+        writer = csv.DictWriter(f, fieldnames=[*asdict(rows[0]), *env] if rows else list(env))
         writer.writeheader()
         writer.writerows({**asdict(r), **env} for r in rows)
     return env
 
 
+def environment() -> dict:
+    return results.environment()
+
+
+def ratios(rows: list[Row]) -> dict:
+    """{(mode, case): (hf_flash TFLOP/s / the best baseline's, that baseline)} where both were measured."""
+    by = {(r.mode, r.case, r.backend): r for r in rows}
+    out = {}
+    for mode, case in dict.fromkeys((r.mode, r.case) for r in rows):
+        ours = by.get((mode, case, "hf_flash"))
+        base = [by[(mode, case, b)] for b in BASELINES if (mode, case, b) in by]
+        if ours and base:
+            best = max(base, key=lambda r: r.tflops)
+            out[(mode, case)] = (ours.tflops / best.tflops, best.backend)
+    return out
+
+
 def plot(rows: list[Row], path: str) -> None:
+    """One panel per pass: hf_flash's TFLOP/s over the best of FA4 and cuDNN, per case (1.0 and the 1.05
+    target drawn)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r.mode, r.d, r.causal) for r in rows})
-    cols = 2
-    fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols, figsize=(11, 3.6 * math.ceil(len(panels) / cols)),
+    ratio = ratios(rows)
+    modes = list(dict.fromkeys(m for m, _ in ratio))
+    if not modes:
+        return
+    cases_ = list(dict.fromkeys(c for _, c in ratio))
+    fig, axes = plt.subplots(len(modes), 1, figsize=(max(8, 0.42 * len(cases_) + 2), 3.4 * len(modes)),
                              squeeze=False)
-    for ax, (mode, d, causal) in zip(axes.flat, panels):
-        for backend in dict.fromkeys(r.backend for r in rows):
-            pts = [(r.seqlen, r.tflops) for r in rows if (r.mode, r.d, r.causal, r.backend) == (mode, d, causal, backend)]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=backend)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{mode}, d={d}, {'causal' if causal else 'non-causal'}")
-        ax.set_xlabel("sequence length (B*S = 16k)")
-        ax.set_ylabel("TFLOP/s")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.suptitle(f"{torch.cuda.get_device_name()}, H*D = 2048")
+    for ax, mode in zip(axes[:, 0], modes):
+        names = [c for c in cases_ if (mode, c) in ratio]
+        values = [ratio[(mode, c)][0] for c in names]
+        ax.bar(range(len(names)), values, color=["C2" if v >= 1.05 else "C0" if v >= 1.0 else "C3" for v in values])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(1.05, color="k", lw=0.8, ls="--")
+        ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("hf_flash / max(FA4, cuDNN)")
+        ax.set_title(f"{mode}: TFLOP/s ratio (median of rounds)", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{torch.cuda.get_device_name()}, bf16, inputs requiring grad")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _table(header: list[str], lines: list[list[str]]) -> str:
+    widths = [max(len(x) for x in col) for col in zip(header, *lines)]
+    fmt = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([fmt(header), "-" * (sum(widths) + 2 * len(widths) - 2), *map(fmt, lines)])
+
+
+def host_table(rows: list[Row]) -> str:
+    """Host µs per call and GPU µs per call, per backend."""
+    names = list(dict.fromkeys(r.backend for r in rows))
+    by = {(r.mode, r.case, r.backend): r for r in rows}
+    lines = []
+    for mode, case in dict.fromkeys((r.mode, r.case) for r in rows):
+        cells = [by.get((mode, case, b)) for b in names]
+        lines.append([f"{mode} {case}", *(f"{c.host_us:.0f} / {c.gpu_ms * 1e3:.0f}" if c else "-" for c in cells)])
+    return "host / GPU µs per call\n" + _table(["case", *names], lines)
 
 
 def summary(rows: list[Row]) -> str:
-    """One line per (mode, d, causal, S): TFLOP/s per backend and hf_flash / SDPA-flash."""
-    backends = list(dict.fromkeys(r.backend for r in rows))
-    by_key = {(r.mode, r.d, r.causal, r.seqlen, r.backend): r for r in rows}
-    head = f"{'mode':6} {'d':>4} {'causal':>6} {'S':>6} " + " ".join(f"{b:>14}" for b in backends) + "  hf/flash"
-    lines = [head, "-" * len(head)]
-    for mode, d, causal, seqlen in dict.fromkeys((r.mode, r.d, r.causal, r.seqlen) for r in rows):
-        cells = [by_key.get((mode, d, causal, seqlen, b)) for b in backends]
-        ours, flash = by_key.get((mode, d, causal, seqlen, "hf_flash")), by_key.get((mode, d, causal, seqlen, "sdpa-flash"))
-        ratio = f"{ours.tflops / flash.tflops:8.2f}" if ours and flash else f"{'-':>8}"
-        lines.append(f"{mode:6} {d:4} {str(causal):>6} {seqlen:6} "
-                     + " ".join(f"{c.tflops:14.1f}" if c else f"{'-':>14}" for c in cells) + "  " + ratio)
-    return "\n".join(lines)
+    """case, hf_flash TFLOP/s, fa4, cudnn, ratio vs best (of fa4, cudnn), spread (the widest of the row's
+    cells: (max - min) / median over rounds)."""
+    by = {(r.mode, r.case, r.backend): r for r in rows}
+    ratio = ratios(rows)
+    lines = []
+    for mode, case in dict.fromkeys((r.mode, r.case) for r in rows):
+        cells = [by.get((mode, case, b)) for b in ("hf_flash", B.FA4, "sdpa-cudnn")]
+        spreads = [relative_spread([r.tflops_min, r.tflops, r.tflops_max]) for r in cells if r]
+        best = ratio.get((mode, case))
+        lines.append([f"{mode} {case}", *(f"{c.tflops:.0f}" if c else "-" for c in cells),
+                      f"{best[0]:.3f} ({best[1].replace('sdpa-', '')})" if best else "-",
+                      f"{100 * max(spreads):.1f}%" if spreads else "-"])
+    return _table(["case", "hf_flash TFLOP/s", "fa4", "cudnn", "ratio vs best", "spread"], lines)
+
+
+def record(args, rows: list[Row]) -> None:
+    out = []
+    for r in rows:
+        case = f"{r.mode} {r.case}"
+        out += [results.Result(case, r.backend, "tflops", r.tflops, "TFLOP/s", r.tflops_max - r.tflops_min),
+                results.Result(case, r.backend, "gpu_us", r.gpu_ms * 1e3, "us", (r.gpu_ms_max - r.gpu_ms_min) * 1e3),
+                results.Result(case, r.backend, "host_us", r.host_us, "us", r.host_us_max - r.host_us_min)]
+    results.record(args, "kernels", out)
 
 
 def run(args) -> None:
     from tqdm import tqdm
 
-    modes = [m.strip() for m in args.mode.split(",") if m.strip()]
-    unknown = set(modes) - set(MODES)
-    if unknown:
-        raise SystemExit(f"unknown --mode {sorted(unknown)}; choose from {MODES}")
+    modes = split(args.mode)
+    if set(modes) - set(MODES) or not modes:
+        raise SystemExit(f"unknown --mode {args.mode!r}; choose from {MODES}")
+    sets = split(args.sets)
+    if set(sets) - set(SETS) or not sets:
+        raise SystemExit(f"unknown --sets {args.sets!r}; choose from {SETS}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     from hf_flash import ops
 
     backend, reason = ops.backend_for(torch.empty(1, 1, 1, 64, device="cuda", dtype=dtype))
     if backend != "cuda":
         raise SystemExit(f"hf_flash would run its PyTorch reference here ({reason}); build the extension first")
-    seqlens = QUICK_SEQLENS if args.quick else SEQLENS
-    head_dims = [int(d) for d in args.head_dims.split(",")]
-    hf_bwd = any(m != "fwd" for m in modes) and _hf_flash_backward_built()
-    backends = ["hf_flash", *_backends()]
-    jobs = [(m, b, d, c, s) for m in modes for d in head_dims for c in (False, True) for s in seqlens for b in backends
-            if not (b == "hf_flash" and m != "fwd" and not hf_bwd) and not (b == "sdpa-math" and s > MATH_MAX_SEQLEN)]
-    rows = []
-    for job in tqdm(jobs, desc="kernels", unit="case"):
-        row = measure(*job, dtype)
-        if row is not None:
-            rows.append(row)
-        torch.cuda.empty_cache()
+    names = B.available(split(args.backends))
+    if B.FA4 in split(args.backends) and B.FA4 not in names:
+        print(f"fa4 column left out: flash_attn.cute does not import ({B.fa4()[2]})", file=sys.stderr)
+    seqlens = tuple(int(s) for s in split(args.seqlens)) or (QUICK_SEQLENS if args.quick else SEQLENS)
+    grid = cases(sets, [int(d) for d in split(args.head_dims)], seqlens, QUICK_LLAMA if args.quick else LLAMA_SHAPES)
+    timer = CallTimer()
+    rows, errors = [], {}
+    for case in tqdm(grid, desc="kernels", unit="case"):
+        for mode in modes:
+            eligible = [n for n in names if not (n == "sdpa-math" and case.seqlen > MATH_MAX_SEQLEN)]
+            rows += measure_case(case, mode, eligible, args.rounds, timer, dtype, errors)
     env = write_csv(rows, args.out, "kernels.csv")
     plot(rows, os.path.join(args.out, "kernels.png"))
-    if any(m != "fwd" for m in modes) and not hf_bwd:
-        print("hf_flash backward not built: its bwd / fwdbwd rows are skipped")
+    record(args, rows)
     print(json.dumps(env))
+    for (mode, case, name), why in errors.items():
+        print(f"n/a: {mode} {case} {name}: {why}")
+    print(host_table(rows))
     print(summary(rows))

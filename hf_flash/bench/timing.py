@@ -1,0 +1,106 @@
+"""Timing shared by the benchmarks: backends take turns in rounds (the first of a round rotates), medians
+over rounds with their spread, and a per-call timer that gives GPU time and host time from one batch of
+back-to-back calls."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+
+def rotated(names: list, round_index: int) -> list:
+    """The order of one round: every name leads some rounds, so drift over a process falls on all alike."""
+    if not names:
+        return []
+    k = round_index % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+def take_turns(fns: dict, rounds: int, measure: Callable) -> tuple[dict, dict]:
+    """Calls ``measure(name, fns[name])`` for every name in each of ``rounds`` rounds, in rotated order.
+    Returns ({name: [one value per round]}, {name: exception}); a name whose measurement raises is dropped
+    from the later rounds and from the values."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    values, failed = {name: [] for name in fns}, {}
+    for r in range(rounds):
+        for name in rotated([n for n in fns if n not in failed], r):
+            try:
+                values[name].append(measure(name, fns[name]))
+            except Exception as e:  # noqa: BLE001  (a backend that cannot run is a result, not a crash)
+                failed[name] = e
+                del values[name]
+    return values, failed
+
+
+def median_spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the rounds' values."""
+    if not values:
+        raise ValueError("median_spread needs at least one value")
+    return statistics.median(values), min(values), max(values)
+
+
+def relative_spread(values: list[float]) -> float:
+    """(max - min) / median, the run-to-run spread the targets bound (<= 5%)."""
+    mid, lo, hi = median_spread(values)
+    return (hi - lo) / mid if mid else float("nan")
+
+
+def short_error(e: BaseException) -> str:
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:120]
+
+
+class CallTimer:
+    """GPU and host time per call of ``fn`` from ``calls`` back-to-back calls enqueued behind a sleep kernel.
+
+    The sleep keeps the GPU busy while the host enqueues, so CUDA events around the calls measure the GPU's
+    time alone (no launch gaps), and the wall time of the enqueueing is the host's cost per call, never
+    waiting on the GPU. The sleep is sized from the host time seen so far; a batch whose enqueueing
+    outlasted the sleep is repeated with a longer one."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        torch.cuda._sleep(1000)  # load the kernel
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 10_000_000
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        self.cycles_per_ms = cycles / start.elapsed_time(end)
+
+    def __call__(self, fn: Callable, calls: int, host_ms_guess: float) -> tuple[float, float]:
+        """(GPU ms per call, host µs per call). ``host_ms_guess``: expected host ms of the whole batch."""
+        torch = self.torch
+        ahead = 1.5 * host_ms_guess + 1.0
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(int(ahead * self.cycles_per_ms))
+            start.record()
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            host_ms = (time.perf_counter_ns() - t0) * 1e-6
+            end.record()
+            end.synchronize()
+            if host_ms < ahead:
+                break
+            ahead = 2 * host_ms + 1.0
+        return start.elapsed_time(end) / calls, host_ms * 1e3 / calls
+
+    def warm_up(self, fn: Callable, target_ms: float, max_calls: int) -> tuple[int, float]:
+        """Runs ``fn`` (compiles, autotunes), then sizes a batch: (calls giving ~target_ms of GPU or host time,
+        host ms guess for that batch)."""
+        torch = self.torch
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        once_ms = (time.perf_counter() - t0) * 1e3  # host + GPU: an upper bound of either
+        calls = max(2, min(max_calls, round(target_ms / once_ms)))
+        return calls, calls * once_ms
