@@ -354,3 +354,41 @@ def test_overhead_measures_every_op_with_the_host_ratio(on_cpu, no_fa4):
     assert {("fwd", "sdpa-math"), ("fwd-grad", "hf_flash"), ("bwd", "hf_flash"), ("decode", "sdpa-math")} <= got
     table = overhead.summary(rows)
     assert "hf/best sdpa host" in table and "tiny fwd" in table
+
+
+def test_call_timer_sleeps_ahead_of_the_host(monkeypatch):
+    """The sleep enqueued ahead of a batch covers the host's enqueueing; a batch that outlasts it is redone
+    behind a longer one, and a call that waits on the GPU (a sync) is timed without a sleep."""
+    import time
+
+    from hf_flash.bench import timing
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 8.0
+
+    sleeps = []
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", sleeps.append)
+    timer = object.__new__(timing.CallTimer)
+    timer.torch, timer.cycles_per_ms = torch, 1000.0
+
+    gpu_ms, host_us = timer(lambda: time.sleep(0.002), calls=2, host_ms_guess=40.0)
+    assert sleeps == [61_000] and gpu_ms == 4.0 and 2000 <= host_us < 20_000
+    sleeps.clear()
+    timer(lambda: time.sleep(0.002), calls=2, host_ms_guess=0.0)  # 1 ms ahead is too short: redone
+    assert len(sleeps) == 2 and sleeps[0] == 1000 and sleeps[1] > 9000
+    sleeps.clear()
+    syncing = lambda: time.sleep((sleeps[-1] if sleeps else 0) / 1000 / 1000 + 0.001)  # noqa: E731
+    gpu_ms, host_us = timer(syncing, calls=1, host_ms_guess=0.0)
+    assert len(sleeps) == 3 and gpu_ms == 8.0  # three longer sleeps, then a batch without one
