@@ -321,7 +321,7 @@ def test_kernel_measurement_interleaves_and_reports_spread(on_cpu, no_fa4, mode)
     assert ours.tflops_min < ours.tflops < ours.tflops_max and ours.rounds == 3
 
 
-def test_kernel_tables_and_ratio():
+def test_kernel_tables_and_ratio(tmp_path, monkeypatch):
     from hf_flash.bench import kernels
 
     def row(case, backend, tflops):
@@ -336,6 +336,10 @@ def test_kernel_tables_and_ratio():
     assert table[2].split() == ["fwd", "a", "420", "380", "400", "1.050", "(cudnn)", "3.0%"]
     assert table[3].split() == ["fwd", "b", "300", "-", "-", "-", "3.0%"]
     assert "30 / 1000" in kernels.host_table(rows)
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "H100")
+    kernels.plot(rows, str(tmp_path / "kernels.png"))
+    assert (tmp_path / "kernels.png").stat().st_size > 0
 
 
 def test_overhead_measures_every_op_with_the_host_ratio(on_cpu, no_fa4):

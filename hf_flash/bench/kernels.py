@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -193,10 +192,6 @@ def write_csv(rows, out_dir: str, name: str) -> dict:
     return env
 
 
-def environment() -> dict:
-    return results.environment()
-
-
 def ratios(rows: list[Row]) -> dict:
     """{(mode, case): (hf_flash TFLOP/s / the best baseline's, that baseline)} where both were measured."""
     by = {(r.mode, r.case, r.backend): r for r in rows}
@@ -307,12 +302,12 @@ def run(args) -> None:
     seqlens = tuple(int(s) for s in split(args.seqlens)) or (QUICK_SEQLENS if args.quick else SEQLENS)
     grid = cases(sets, [int(d) for d in split(args.head_dims)], seqlens, QUICK_LLAMA if args.quick else LLAMA_SHAPES)
     timer = CallTimer()
-    rows, errors = [], {}
+    rows, errors, env = [], {}, results.environment()
     for case in tqdm(grid, desc="kernels", unit="case"):
         for mode in modes:
             eligible = [n for n in names if not (n == "sdpa-math" and case.seqlen > MATH_MAX_SEQLEN)]
             rows += measure_case(case, mode, eligible, args.rounds, timer, dtype, errors)
-    env = write_csv(rows, args.out, "kernels.csv")
+        env = write_csv(rows, args.out, "kernels.csv")  # after every case: a cut-off run keeps what it measured
     plot(rows, os.path.join(args.out, "kernels.png"))
     record(args, rows)
     print(json.dumps(env))
