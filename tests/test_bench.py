@@ -157,7 +157,7 @@ def test_results_file_with_other_columns_is_refused(tmp_path):
         results.append([], "", str(tmp_path / "new.csv"), {})
 
 
-def test_record_respects_no_record(tmp_path):
+def test_record_respects_no_record(tmp_path, monkeypatch):
     from hf_flash.bench import results
 
     path = tmp_path / "results.csv"
@@ -169,6 +169,8 @@ def test_record_respects_no_record(tmp_path):
     assert path.read_text().splitlines()[0] == ",".join(results.COLUMNS)
     env = results.environment()
     assert set(env) == set(results.COLUMNS[:6]) and env["commit"]
+    monkeypatch.setenv("HF_FLASH_BENCH_COMMIT", "1234abc")
+    assert results.commit() == "1234abc"
 
 
 def test_rounds_rotate_and_failures_drop_out():
@@ -342,18 +344,14 @@ def test_kernel_tables_and_ratio(tmp_path, monkeypatch):
     assert (tmp_path / "kernels.png").stat().st_size > 0
 
 
-def test_overhead_measures_every_op_with_the_host_ratio(on_cpu, no_fa4):
+def test_overhead_measures_every_op_with_the_host_ratio(on_cpu, no_fa4, monkeypatch):
     from hf_flash.bench import backends, overhead
 
-    monkeypatch_shapes = {"tiny": (1, 16)}
-    overhead.SHAPES.update(monkeypatch_shapes)
-    try:
-        names = backends.available(["hf_flash", "sdpa-math", "fa4"])
-        rows, errors = [], {}
-        for op in overhead.OPS:
-            rows += overhead.measure("tiny", op, names, 4, 3, FakeTimer(), errors)
-    finally:
-        del overhead.SHAPES["tiny"]
+    monkeypatch.setitem(overhead.SHAPES, "tiny", (1, 16))
+    names = backends.available(["hf_flash", "sdpa-math", "fa4"])
+    rows, errors = [], {}
+    for op in overhead.OPS:
+        rows += overhead.measure("tiny", op, names, 4, 3, FakeTimer(), errors)
     got = {(r.op, r.backend) for r in rows}
     assert {("fwd", "sdpa-math"), ("fwd-grad", "hf_flash"), ("bwd", "hf_flash"), ("decode", "sdpa-math")} <= got
     table = overhead.summary(rows)

@@ -34,7 +34,10 @@ def add_arguments(parser) -> None:
 
 
 def commit() -> str:
-    """Short hash of the checkout the package runs from, or "unknown" (no git, not a checkout)."""
+    """Short hash of the checkout the package runs from, or "unknown" (no git, not a checkout);
+    ``HF_FLASH_BENCH_COMMIT`` overrides it (a copy of the tree without its git metadata)."""
+    if os.environ.get("HF_FLASH_BENCH_COMMIT"):
+        return os.environ["HF_FLASH_BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=os.path.dirname(os.path.abspath(__file__)))
