@@ -25,7 +25,7 @@ def tiny_case(monkeypatch):
     Returns the backends of the timed (4-token) generate calls, in call order."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    timed_calls = []
+    timed_calls, prefill_calls = [], []
 
     def build_model(backend, layers, max_positions):
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
@@ -36,6 +36,8 @@ def tiny_case(monkeypatch):
         def spy(*args, max_new_tokens, **kwargs):
             if max_new_tokens == 4:
                 timed_calls.append(backend)
+            elif max_new_tokens == 1:
+                prefill_calls.append(backend)
             return real(*args, max_new_tokens=max_new_tokens, **kwargs)
 
         model.generate = spy
@@ -53,7 +55,7 @@ def tiny_case(monkeypatch):
     for name, value in {"synchronize": None, "memory_allocated": 0, "reset_peak_memory_stats": None,
                         "max_memory_allocated": 0, "empty_cache": None}.items():
         monkeypatch.setattr(torch.cuda, name, lambda value=value: value)
-    return timed_calls
+    return timed_calls, prefill_calls
 
 
 def test_interleaved_generate_takes_turns(tiny_case):
@@ -63,9 +65,10 @@ def test_interleaved_generate_takes_turns(tiny_case):
     assert "no_such_backend" in rows[2].error
     assert all(r.tokens_per_s > 0 and not r.error for r in rows if r.backend != "no_such_backend")
     runnable = ["hf_flash", "sdpa", "eager"]
-    warm_up, rounds = tiny_case[:3], tiny_case[3:]  # one warm-up call each, then 3 rounds
-    assert warm_up == runnable
-    assert rounds == runnable + runnable[1:] + runnable[:1] + runnable[2:] + runnable[:2]
+    turns = runnable + runnable[1:] + runnable[:1] + runnable[2:] + runnable[:2]
+    for calls in tiny_case:  # generate calls, then prefill (one-token) calls: one warm-up each, then 3 rounds
+        assert calls[:3] == runnable and calls[3:] == turns
+    assert all(r.prefill_ms > 0 for r in rows if r.backend != "no_such_backend")
 
 
 def test_interleaved_train_takes_turns(monkeypatch):

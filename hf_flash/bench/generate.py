@@ -11,7 +11,8 @@ CUDA graphs). flash_attention_4 (transformers' FlashAttention-4 backend) joins t
 included); prefill ms = a generate call of one new token, reported on its own (the issue-16 target:
 hf_flash's prefill <= the best other backend's). CUDA-synchronised wall clock, median of timed calls
 after a warm-up call (which also compiles). Dynamic-cache cases keep every backend's model loaded and time
-the backends in turns (generation is host-bound and drifts over a process); static-cache cases compile
+the backends in turns, prefill calls first, then whole generate calls (generation is host-bound and drifts
+over a process); static-cache cases compile
 and time one model at a time. Writes generate.csv (after every case) and generate.png
 to --out, appends tokens/s, prefill ms and peak GiB to the results file and prints a table last: each
 backend against hf_flash, and hf_flash's tokens/s and prefill against the best other's.
@@ -195,26 +196,34 @@ def take_turns(cases: dict, rounds: int, calls: int = 1) -> dict:
 @torch.no_grad()
 def measure_interleaved(backends: list[str], shape: str, layers: int = 8, new_tokens: int = NEW_TOKENS,
                         steps: int = 3) -> list[Row]:
-    """Every backend on one dynamic-cache case, all models loaded, the timed calls taking turns
-    (``take_turns``): host-bound generation drifts ~15% over one process. Peak memory = the backend's
-    weights + the most its own call allocated on top of what was resident."""
+    """Every backend on one dynamic-cache case, all models loaded: first the prefill calls (one new token),
+    then the whole generate calls, each taking turns (``take_turns``): host-bound generation drifts ~15%
+    over one process. Peak memory = the backend's weights + the most its own call allocated on top of
+    what was resident."""
     batch = SHAPES[shape][0]
     task = "generate-dynamic"
     ready, rows = {}, {}
     for backend in backends:
         try:
             generate, weights = _generator(backend, shape, "dynamic", layers, new_tokens)
-            prefill = timed(lambda: generate(1), warmup=1, steps=steps)
-            generate(new_tokens)  # warm-up
-            ready[backend] = {"run": lambda g=generate: g(new_tokens), "weights": weights, "prefill": prefill}
+            generate(1)  # warm-up
+            generate(new_tokens)
+            ready[backend] = {"run": lambda g=generate: g(new_tokens), "prefill": lambda g=generate: g(1),
+                              "weights": weights}
         except Exception as e:  # noqa: BLE001
             rows[backend] = error_row(task, shape, backend, e)
+    generate = None
+    prefill = {backend: {"run": case["prefill"]} for backend, case in ready.items()}
+    for backend, e in take_turns(prefill, steps).items():
+        rows[backend] = error_row(task, shape, backend, e)
+        del ready[backend]
     for backend, e in take_turns(ready, steps).items():
         rows[backend] = error_row(task, shape, backend, e)
     for backend, case in ready.items():
         rows[backend] = Row(task, shape, backend, batch * new_tokens / statistics.median(case["times"]),
-                            (case["weights"] + case["peak"]) / 2**30, case["prefill"] * 1e3)
-    ready = None
+                            (case["weights"] + case["peak"]) / 2**30,
+                            statistics.median(prefill[backend]["times"]) * 1e3)
+    ready = prefill = None
     gc.collect()
     torch.cuda.empty_cache()
     return [rows[b] for b in backends]
