@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compile-checks every kernel translation unit with bare nvcc (no torch headers)
-# for sm_80 and sm_90a. Usage: scripts/check_kernels.sh [jobs]
+# for sm_80 and sm_90a. Usage: tools/check_kernels.sh [jobs]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v nvcc >/dev/null; then

@@ -1,8 +1,8 @@
 """Timings of the build on PYTHONPATH next to SDPA cuDNN (GQA through enable_gqa, as transformers calls it),
-backward (default) or forward, in one process; prints CSV lines TAG,case,backend,ms,tflops (scripts/kernel_ab.sh
+backward (default) or forward, in one process; prints CSV lines TAG,case,backend,ms,tflops (tools/kernel_ab.sh
 compares builds; PASS=fwd there times the forward).
 
-    python scripts/kernel_ab.py TAG [bwd|fwd]
+    python tools/kernel_ab.py TAG [bwd|fwd]
 """
 import sys
 

@@ -1,14 +1,16 @@
 #!/bin/bash
 # The whole product on one GPU machine: build, every GPU test, the demo, the
 # convergence example, kernel and end-to-end benchmarks. Pick stages with
-#   STAGES="build test sanitize demo converge kernels decode generate e2e profile" bash scripts/device_all.sh
+#   STAGES="build test sanitize demo converge kernels decode generate e2e profile" bash tools/gpu_check.sh
 # (a warm machine keeps the build); STAGES="build multigpu" on a machine with
 # 2+ GPUs. Logs and CSV/PNG go to $OUT (or out/).
 # Needs .data/tinyshakespeare.txt and the .whl wheels (datasets) carried along.
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=${HF_FLASH_CUDA_ARCHS:-90a}  # sm_80 is compile-checked off-device
-cd "$(dirname "$0")/.." && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# pyproject installs top-level patches/ as hf_flash.patches; mirror that for the uninstalled checkout.
+# An optional argument names another checkout to run in (tools/kernel_ab.sh builds its variants this way).
+cd "${1:-$(dirname "$0")/..}" && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# pyproject installs top-level patches/ as hf_flash.patches; mirror that for the uninstalled checkout
+# (the only place that links it: tools/kernel_ab.sh builds through this script).
 [ -e hf_flash/patches ] || ln -s ../patches hf_flash/patches
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -28,10 +30,11 @@ if has test; then
   timeout 400 python3 -m pytest tests -m gpu -q -p no:cacheprovider --tb=short --maxfail=20 2>&1 \
     | tee "$OUT/test.log" | tail -25
 fi
-if has sanitize; then  # the Hopper kernels under memcheck and racecheck (reduced grid)
-  for tool in memcheck racecheck; do
-    timeout 150 compute-sanitizer --tool $tool python3 scripts/sanitize_sm90.py 2>&1 | tee "$OUT/$tool.log" \
-      | grep -E "ERROR SUMMARY|RACECHECK SUMMARY" | sed "s/^/$tool: /"
+if has sanitize; then  # every kernel family under memcheck, the shared-memory pipelines under racecheck (small cases)
+  for run in "memcheck sm90,fwd,decode" "racecheck sm90,decode"; do
+    set -- $run
+    timeout 300 compute-sanitizer --tool $1 python3 tools/sanitize.py --family $2 2>&1 | tee "$OUT/$1.log" \
+      | grep -E "ERROR SUMMARY|RACECHECK SUMMARY" | sed "s/^/$1: /"
   done
 fi
 if has demo; then
@@ -58,8 +61,8 @@ if has generate; then
     | tee "$OUT/generate.log" | tail -20
 fi
 if has profile; then  # top CUDA kernels of a training step and of a long-prompt generate, hf_flash next to sdpa
-  timeout 300 python3 scripts/e2e_profile.py > "$OUT/e2e_profile.txt" 2>&1; grep "^== " "$OUT/e2e_profile.txt"
-  timeout 300 python3 scripts/e2e_profile.py --generate 1x16384 > "$OUT/generate_profile.txt" 2>&1
+  timeout 300 python3 tools/profile.py > "$OUT/e2e_profile.txt" 2>&1; grep "^== " "$OUT/e2e_profile.txt"
+  timeout 300 python3 tools/profile.py --generate 1x16384 > "$OUT/generate_profile.txt" 2>&1
   grep "^== " "$OUT/generate_profile.txt"
 fi
 if has multigpu; then  # one GPU vs data parallel on two at the same global batch (NCCL NVLink multicast stays off)

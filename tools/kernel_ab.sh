@@ -1,8 +1,8 @@
 #!/bin/bash
-# Same-process A/B of backward kernels on the device: builds this checkout ("new") and each git worktree named in
+# Same-process A/B of kernel builds on the device: builds this checkout ("new") and each git worktree named in
 # VARIANTS (.wt/<name>, e.g. `git worktree add .wt/base main`; carry them), runs the bwd tests on "new", then
-# two alternating rounds of scripts/kernel_ab.py per build (cuDNN timed in every process) and prints the minimum
-# of each: ms, new / variant, cuDNN / new.   VARIANTS="base" bash scripts/kernel_ab.sh
+# two alternating rounds of tools/kernel_ab.py per build (cuDNN timed in every process) and prints the minimum
+# of each: ms, new / variant, cuDNN / new.   VARIANTS="base" bash tools/kernel_ab.sh
 # PASS=fwd times the forward instead (and runs the forward kernel tests).
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=90a
@@ -12,20 +12,19 @@ VARIANTS=${VARIANTS:-base}
 PASS=${PASS:-bwd}
 TESTS=$([ "$PASS" = fwd ] && echo "tests/test_kernels_fwd.py tests/test_kernels_fwd_sm90.py" || echo tests/test_kernels_bwd.py)
 start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
-ln -sfn ../patches hf_flash/patches
-(MAX_JOBS=8 python3 setup.py build_ext --inplace > "$OUT/build_new.log" 2>&1; echo "new rc=$?" > "$OUT/new.rc") &
+# every tree builds (and links hf_flash/patches) through this checkout's tools/gpu_check.sh, one after another
+STAGES=build OUT="$OUT/new" bash tools/gpu_check.sh > "$OUT/build_new.log" 2>&1; echo "new rc=$?" > "$OUT/new.rc"
 for v in $VARIANTS; do
-  ln -sfn ../patches ".wt/$v/hf_flash/patches"
-  (cd ".wt/$v" && MAX_JOBS=6 python3 setup.py build_ext --inplace > "$OUT/build_$v.log" 2>&1; echo "$v rc=$?" > "$OUT/$v.rc") &
+  STAGES=build OUT="$OUT/$v" bash tools/gpu_check.sh "$ROOT/.wt/$v" > "$OUT/build_$v.log" 2>&1; echo "$v rc=$?" > "$OUT/$v.rc"
 done
-wait; stamp "built: $(cat "$OUT"/*.rc | tr '\n' ' ')"
+stamp "built: $(cat "$OUT"/*.rc | tr '\n' ' ')"
 PYTHONPATH=$ROOT timeout 240 python3 -m pytest -q -x -p no:cacheprovider --tb=short -m gpu $TESTS \
   > "$OUT/tests.log" 2>&1; rc=$?; stamp "tests rc=$rc: $(tail -1 "$OUT/tests.log")"
 [ $rc -eq 0 ] || exit $rc  # a build that fails its tests is not timed
 for round in 1 2; do
-  PYTHONPATH=$ROOT timeout 300 python3 scripts/kernel_ab.py new $PASS >> "$OUT/ab.csv" 2>>"$OUT/ab.err"
+  PYTHONPATH=$ROOT timeout 300 python3 tools/kernel_ab.py new $PASS >> "$OUT/ab.csv" 2>>"$OUT/ab.err"
   for v in $VARIANTS; do
-    (cd ".wt/$v" && PYTHONPATH=$PWD timeout 300 python3 "$ROOT/scripts/kernel_ab.py" "$v" $PASS >> "$OUT/ab.csv" 2>>"$OUT/ab.err")
+    (cd ".wt/$v" && PYTHONPATH=$PWD timeout 300 python3 "$ROOT/tools/kernel_ab.py" "$v" $PASS >> "$OUT/ab.csv" 2>>"$OUT/ab.err")
   done
 done
 stamp "a/b done"
