@@ -11,9 +11,9 @@
 #pragma once
 #include <cmath>
 
+#include "attn/fwd_math.cuh"
 #include "decode/traits.cuh"
 #include "flash.h"
-#include "fwd/kernel.cuh"
 #include "tile.cuh"
 
 namespace hf_flash {
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
   // Per accumulator row (half = 0: row g, 1: row g + 8): visible keys [lo, hi], ALiBi slope.
   const float scale_log2 = p.softmax_scale_log2;
   const bool has_softcap = p.softcap > 0.f;
-  const float softcap_in = has_softcap ? p.softmax_scale / p.softcap : 0.f;
+  const float scale_over_cap = has_softcap ? p.softmax_scale / p.softcap : 0.f;
   int lo[2], hi[2], qi[2];
   float alibi[2];
 #pragma unroll
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
 
     float s[1][W::kNTiles][4] = {};
     fwd::gemm_qk<W>(s, q_frag, k_frag);
-    if (has_softcap) fwd::apply_softcap(s, p.softcap, softcap_in);
+    if (has_softcap) fwd::apply_softcap(s, p.softcap, scale_over_cap);
 #pragma unroll
     for (int nt = 0; nt < W::kNTiles; ++nt)
 #pragma unroll

@@ -1,11 +1,9 @@
-// How many key ranges a decode call splits into. Only as many as it takes to saturate HBM: every
-// split adds fp32 partials and a combine kernel (a few microseconds). Measured on H100
-// (benchmarks/NOTES-decode.md): one CTA on each of half the SMs (4 warps, each with two 8 KB K/V
-// blocks in flight) already streams within 1% of the bandwidth of a CTA on every SM, so the target
-// is 0.9 x num_sms / 2 CTAs rather than flash-attn's fill of whole waves of the GPU.
+// The decode pass: how many key ranges a call splits into. Always compiled. Only as many as it takes to
+// saturate HBM: every split adds fp32 partials and a combine kernel, and one CTA on each of half the SMs
+// already streams near full bandwidth, so the target is 0.9 x num_sms / 2 CTAs rather than flash-attn's fill
+// of whole waves of the GPU (measurements: docs/design/decode.md).
 #include <algorithm>
 
-#include "decode/traits.cuh"
 #include "flash.h"
 
 namespace hf_flash {

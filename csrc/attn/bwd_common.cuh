@@ -3,7 +3,7 @@
 #pragma once
 #include <cmath>
 
-#include "bwd/config.h"
+#include "attn/bwd_config.h"
 #include "flash.h"
 #include "tile.cuh"
 
@@ -37,6 +37,11 @@ __device__ __forceinline__ int64_t row_offset(const BwdParams& p, int row, int s
                                               int64_t rs, int64_t hs) {
   const int b = p.cu_seqlens_q ? 0 : row / seqlen, i = p.cu_seqlens_q ? row : row % seqlen;
   return b * bs + int64_t(i) * rs + head * hs;
+}
+
+// 4-byte cp.async, zero-filled when !pred.
+__device__ __forceinline__ void cp_async4(uint32_t smem_addr, const void* gmem, bool pred) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(pred ? 4 : 0));
 }
 
 // D[head][row] = sum_c dO[row, head, c] * O[row, head, c]; kHeadDim / 8 lanes per (row, head), 16 bytes
@@ -99,6 +104,43 @@ __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p,
   auto* dq = static_cast<typename tile::Elem<kIsBf16>::T*>(p.dq) +
              row_offset(p, row, p.seqlen_q, head, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride) + c;
   *reinterpret_cast<uint4*>(dq) = out;
+}
+
+// The backward around either main kernel, one stream and no host synchronisation:
+//   bwd_prologue  zeroes the fp32 dQ accumulators and writes D = rowsum(dO * O) into the workspace;
+//   bwd_epilogue  sums the accumulators into dq.
+struct BwdWorkspace {
+  float* dsum;
+  float* dq_acc;
+  size_t dq_copy_floats;
+  int copies;
+  explicit BwdWorkspace(const BwdParams& p) {
+    const WorkspaceLayout ws(p);
+    auto* base = static_cast<unsigned char*>(p.workspace);
+    dsum = reinterpret_cast<float*>(base + ws.dsum_offset);
+    dq_acc = reinterpret_cast<float*>(base + ws.dq_offset);
+    dq_copy_floats = ws.dq_copy_floats;
+    copies = dq_copies(p);
+  }
+};
+
+template <bool kIsBf16, int kHeadDim>
+cudaError_t bwd_prologue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
+  const cudaError_t err = cudaMemsetAsync(ws.dq_acc, 0, sizeof(float) * ws.dq_copy_floats * ws.copies, stream);
+  if (err != cudaSuccess) return err;
+  const int64_t row_warps = int64_t(p.total_q) * p.h;
+  constexpr int kDotLanes = dot_lanes(kHeadDim);
+  dot_do_o_kernel<kIsBf16, kHeadDim><<<(row_warps * kDotLanes + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      p, ws.dsum);
+  return cudaSuccess;
+}
+
+template <bool kIsBf16, int kHeadDim>
+cudaError_t bwd_epilogue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
+  const int64_t chunks = int64_t(p.total_q) * p.h * (kHeadDim / 8);
+  convert_dq_kernel<kIsBf16, kHeadDim><<<(chunks + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      p, ws.dq_acc, ws.dq_copy_floats, ws.copies);
+  return cudaGetLastError();
 }
 
 // Copy kRows x kD elements (rows >= limit zero-filled) into padded smem rows. Compile-time trip count,

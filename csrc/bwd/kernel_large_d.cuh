@@ -1,15 +1,15 @@
-// v1 backward main kernel (kept for d > 128, where the 64-key block does not
-// let the P^T/dS^T accumulators feed the dV/dK GEMMs from registers):
+// Backward main kernel on mma.sync for d > 128, where the 64-key block does not
+// let the P^T/dS^T accumulators feed the dV/dK GEMMs from registers:
 // phases A (S^T, dP^T, P^T/dS^T to smem), B (dV, dK), C (dQ, atomics),
-// three barriers per query block. See benchmarks/NOTES-bwd.md.
+// three barriers per query block.
 #pragma once
-#include "bwd/common.cuh"
+#include "attn/bwd_common.cuh"
 
 namespace hf_flash {
 namespace bwd {
 
 template <bool kIsBf16, int kHeadDim>
-struct TraitsV1 {
+struct BwdLargeDTraits {
   using T = typename tile::Elem<kIsBf16>::T;
   static constexpr int kBlockM = 64;
   static constexpr int kD = kHeadDim, kBlockN = block_n(kHeadDim), kWarps = kThreads / 32;
@@ -31,8 +31,8 @@ struct TraitsV1 {
 
 template <bool kIsBf16, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, 1)
-    main_kernel_v1(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, size_t copy_floats) {
-  using Tr = TraitsV1<kIsBf16, kHeadDim>;
+    bwd_large_d_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, size_t copy_floats) {
+  using Tr = BwdLargeDTraits<kIsBf16, kHeadDim>;
   using T = typename Tr::T;
   constexpr int kD = Tr::kD, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float scale_over_cap = p.softcap > 0 ? p.softmax_scale / p.softcap : 0.f;
   uint64_t seed = 0;
   uint32_t rng_offset = 0;
-  if (p.p_dropout > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
+  if (p.dropout_p > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
 
   for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
     __syncthreads();  // the previous key block is done with K/V
@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                             (wr < 0 || key <= row + off + wr));
               const float prob = visible ? tile::fast_exp2(s2 - s_lse2[qc + e]) : 0.f;
               float dpv = dp[j][2 * h2 + e], pdrop = prob;
-              if (p.p_dropout > 0) {
+              if (p.dropout_p > 0) {
                 const tile::Philox4 r = tile::philox(seed, uint32_t(key) >> 2, row, b * p.h + head, rng_offset);
                 const uint32_t word = (key & 3) == 0 ? r.x : (key & 3) == 1 ? r.y : (key & 3) == 2 ? r.z : r.w;
                 const float keep = word >= p.dropout_threshold ? p.rp_dropout : 0.f;
