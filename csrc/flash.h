@@ -118,7 +118,8 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
 // run_fwd picks the Hopper wgmma kernel (run_fwd_sm90) on CC 9.0 for the cases fwd_sm90_supports
 // accepts, the mma.sync kernel (run_fwd_sm80) otherwise (csrc/fwd.cu).
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
-// Hopper kernels are allowed: a CC 9.0 device, and HF_FLASH_DISABLE_SM90 is not 1 (A/B runs, tests).
+// Hopper kernels are allowed: a CC 9.0 device, and HF_FLASH_DISABLE_SM90 is not 1 (A/B runs, tests). Defined in
+// the always-compiled csrc/fwd.cu: the backward asks it too.
 bool use_sm90(const FwdParams& params);
 bool fwd_sm90_supports(const FwdParams& params);
 cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream);
