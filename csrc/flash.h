@@ -49,7 +49,6 @@ struct FwdParams {
   //   j <= i + seqlen_k - seqlen_q + window_right  (when window_right >= 0)
   // causal == (window_right == 0) with bottom-right alignment; -1 = unbounded.
   int window_left, window_right;
-  bool is_causal;
 
   // ALiBi: s += -slope[h] * |i + seqlen_k - seqlen_q - j|; slopes fp32 (h) or (b, h).
   const float* __restrict__ alibi_slopes;
@@ -60,10 +59,10 @@ struct FwdParams {
   //   key     = (seed_lo, seed_hi)            seed   = rng_state[0]
   //   counter = (j >> 2, i, batch*h + head, offset_lo)  offset = rng_state[1]
   // taking output word (j & 3); the element is dropped iff word < dropout_threshold.
-  float p_dropout;                 // probability of dropping; 0 = off
-  float rp_dropout;                // 1 / (1 - p_dropout)
-  uint32_t dropout_threshold;      // p_dropout * 2^32, saturated
-  const int64_t* __restrict__ rng_state;  // device (2,) int64, nullptr when p_dropout == 0
+  float dropout_p;                 // probability of dropping; 0 = off
+  float rp_dropout;                // 1 / (1 - dropout_p)
+  uint32_t dropout_threshold;      // dropout_p * 2^32, saturated
+  const int64_t* __restrict__ rng_state;  // device (2,) int64, nullptr when dropout_p == 0
 
   bool is_bf16;       // else fp16
   int num_sms;        // of the current device, for split / persistent heuristics
@@ -93,6 +92,19 @@ struct BwdParams : FwdParams {
   bool deterministic;  // bitwise-reproducible dq/dk/dv
 };
 
+// The Hopper kernel when `sm90` (allowed and supported), unless it declines before launching anything (no sm_90a
+// code in this build: cudaErrorNoKernelImageForDevice; tensors TMA cannot describe: cudaErrorNotSupported);
+// then the mma.sync kernel. One rule for run_fwd and run_bwd.
+template <class Params>
+cudaError_t run_sm90_or_sm80(bool sm90, cudaError_t (*run_sm90)(const Params&, cudaStream_t),
+                             cudaError_t (*run_sm80)(const Params&, cudaStream_t), const Params& p, cudaStream_t s) {
+  if (sm90) {
+    const cudaError_t err = run_sm90(p, s);
+    if (err != cudaErrorNoKernelImageForDevice && err != cudaErrorNotSupported) return err;
+  }
+  return run_sm80(p, s);
+}
+
 // Lets `kernel` take `bytes` of dynamic shared memory (above 48 KB a kernel must opt in).
 template <class Kernel>
 cudaError_t allow_smem(Kernel kernel, int bytes) {
@@ -100,13 +112,14 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
                            : cudaSuccess;
 }
 
-// Entry points, one per kernel family. They validate nothing (the binding did),
-// dispatch on (dtype, d) to the generated instantiations, and return the CUDA
-// launch status.
+// Entry points. They validate nothing (the binding did) and return the CUDA launch status. run_fwd / run_bwd
+// choose the kernel family once (csrc/fwd.cu, csrc/bwd.cu); each family's run_<family> dispatches on
+// (dtype, d) to its generated instantiations (csrc/<family>/generated/).
 // run_fwd picks the Hopper wgmma kernel (run_fwd_sm90) on CC 9.0 for the cases fwd_sm90_supports
-// accepts, the mma.sync kernel (run_fwd_sm80) otherwise.
+// accepts, the mma.sync kernel (run_fwd_sm80) otherwise (csrc/fwd.cu).
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
-// Hopper kernels are allowed: a CC 9.0 device, and HF_FLASH_DISABLE_SM90 is not 1 (A/B runs, tests).
+// Hopper kernels are allowed: a CC 9.0 device, and HF_FLASH_DISABLE_SM90 is not 1 (A/B runs, tests). Defined in
+// the always-compiled csrc/fwd.cu: the backward asks it too.
 bool use_sm90(const FwdParams& params);
 bool fwd_sm90_supports(const FwdParams& params);
 cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream);
@@ -116,9 +129,17 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 // sequence, the h / h_k query heads of one KV head packed into one tile's rows.
 constexpr int kDecodeMaxSeqlenQ = 16;
 constexpr int kDecodeMaxSplits = 128;
-int decode_num_splits(const FwdParams& params);  // enough CTAs to saturate HBM (decode/splits.cu)
+constexpr int kDecodeBlockM = 16;       // packed (query, head-in-group) rows per CTA
+constexpr int kDecodeSplitBlock = 256;  // decode_num_splits: at least this many keys per split (4 steps per warp)
+int decode_num_splits(const FwdParams& params);  // enough CTAs to saturate HBM (csrc/decode.cu)
 cudaError_t run_decode(const FwdParams& params, cudaStream_t stream);
+
+// run_bwd picks the Hopper kernel (run_bwd_sm90) on CC 9.0 for the cases bwd_sm90_supports accepts, the
+// mma.sync kernels (run_bwd_sm80) otherwise (csrc/bwd.cu).
 size_t bwd_workspace_bytes(const BwdParams& params);
 cudaError_t run_bwd(const BwdParams& params, cudaStream_t stream);
+bool bwd_sm90_supports(const BwdParams& params);
+cudaError_t run_bwd_sm80(const BwdParams& params, cudaStream_t stream);
+cudaError_t run_bwd_sm90(const BwdParams& params, cudaStream_t stream);
 
 }  // namespace hf_flash

@@ -1,6 +1,6 @@
 """Same-seed training with hf_flash and a reference backend: loss curves side by side.
 
-    python examples/convergence.py --text-file ../shared/data/tinyshakespeare.txt --max-steps 300
+    python examples/convergence.py --text-file .data/tinyshakespeare.txt --max-steps 300
     python examples/convergence.py --compare 1-gpu=single.json 2-gpu-ddp=ddp.json --out out/multi_gpu
 
 Trains the small random-init byte-level Llama of finetune_trainer.py twice

@@ -2,7 +2,7 @@
 
     python examples/finetune_trainer.py --model HuggingFaceTB/SmolLM2-135M --dataset wikitext \
         --dataset-config wikitext-2-raw-v1 --packing
-    python examples/finetune_trainer.py --text-file ../shared/data/tinyshakespeare.txt --max-steps 50
+    python examples/finetune_trainer.py --text-file .data/tinyshakespeare.txt --max-steps 50
     accelerate launch --num_processes 2 examples/finetune_trainer.py --text-file data.txt   # several GPUs
 
 Without --model it trains a small random-init Llama on bytes (no download).

@@ -2,7 +2,7 @@
 
     python examples/generate_perplexity.py --model HuggingFaceTB/SmolLM2-135M --text-file text.txt
     python examples/generate_perplexity.py --model /path/to/folder --gguf-file model.Q4_1.gguf \
-        --text-file ../shared/data/tinyshakespeare.txt --prompt "ROMEO:"
+        --text-file .data/tinyshakespeare.txt --prompt "ROMEO:"
 
 The model is loaded once; the attention backend is switched in place with
 `set_attn_implementation`, so both perplexities use identical weights. Text is

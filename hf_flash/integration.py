@@ -4,8 +4,7 @@ transformers' own flash-attention wrapper does the layout work (BSHD
 transpose, unpadding of padded batches, packed sequences from ``position_ids``
 or ``cu_seq_lens_*``, static-cache slicing, sliding window and softcap
 arguments); it looks its kernels up by implementation name, so we hand it ours.
-Three traps make that more than one ``register`` call (see the integration
-notes in the repository's docs):
+Three traps make that more than one ``register`` call (docs/architecture.md):
 
 * any name containing "flash" goes through ``_lazy_imports``, which would
   try to download a hub kernel called "hf_flash": we answer that lookup;

@@ -57,8 +57,9 @@ def dropout_keep(rng_state, batch: int, num_heads: int, rows, cols, p: float) ->
 
 
 def _visible(rows, cols, seqlen_q, seqlen_k, window_left: int, window_right: int):
-    """Bool mask, key j visible to query i (bottom-right aligned). Lengths are
-    ints, or (B,) tensors giving a (B, 1, len(rows), len(cols)) mask."""
+    """Bool mask, key j visible to query i (bottom-right aligned): the rule of csrc/flash.h, which the
+    kernels take from fwd::KeyWindow (csrc/attn/fwd_math.cuh). Lengths are ints, or (B,) tensors giving
+    a (B, 1, len(rows), len(cols)) mask."""
     if isinstance(seqlen_q, torch.Tensor):
         seqlen_q, seqlen_k = seqlen_q[:, None, None, None], seqlen_k[:, None, None, None]
     diag = rows[:, None] + (seqlen_k - seqlen_q)

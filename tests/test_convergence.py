@@ -26,10 +26,11 @@ import hf_flash  # noqa: E402,F401  (registers "hf_flash")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
 from finetune_trainer import pad_collator  # noqa: E402
+from helpers import SHAKESPEARE  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-DATA = Path(__file__).parents[2] / "shared/data/tinyshakespeare.txt"
+
 PAD, MAX_LEN, TRAIN, HELD_OUT = 0, 96, 256, 32  # bytes; NUL never occurs in the text
 STEPS, BATCH, SEED = 32, 8, 42
 PROMPT = b"ROMEO:\n"
@@ -42,9 +43,9 @@ PPL_RTOL = 1e-4
 
 @lru_cache(maxsize=None)
 def speeches() -> tuple[list[int], ...]:
-    if not DATA.is_file():
-        pytest.skip(f"{DATA} not found (shared data checkout missing)")
-    blocks = DATA.read_text(encoding="utf-8").split("\n\n")[: TRAIN + HELD_OUT]
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not found")
+    blocks = SHAKESPEARE.read_text(encoding="utf-8").split("\n\n")[: TRAIN + HELD_OUT]
     return tuple(list(b.encode("utf-8")[:MAX_LEN]) for b in blocks)
 
 

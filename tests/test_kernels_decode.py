@@ -12,7 +12,7 @@ import torch
 
 from hf_flash import flash_attn_with_kvcache, reference
 from hf_flash.reference import naive_attention
-from test_kernels_fwd import assert_close, assert_lse, poison_allocator, randn
+from helpers import assert_close, assert_lse, poison_allocator, randn
 
 pytestmark = pytest.mark.gpu
 

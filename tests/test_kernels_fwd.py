@@ -5,60 +5,17 @@ with ref = naive attention in float32 on the same inputs. The LSE is checked aga
 the float32 tiled reference (hf_flash.reference.fwd), +inf on rows with no visible key.
 """
 
-import math
-
 import pytest
 import torch
 
-from hf_flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, ops, reference
+from hf_flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, reference
 from hf_flash.reference import naive_attention
+from helpers import assert_close, assert_lse, check_dense, cu_seqlens, poison_allocator, randn
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = (torch.bfloat16, torch.float16)
 HEAD_DIMS = (32, 40, 64, 80, 96, 128, 192, 256)  # 40 and 80 are zero-padded to 64 / 96
-
-
-def poison_allocator():
-    """Fill freed blocks of the caching allocator with NaN, so outputs the kernel
-    leaves unwritten show up as NaN."""
-    for numel in (1 << 24, 1 << 20, 1 << 16, 1 << 12):
-        torch.full((numel,), math.nan, device="cuda")
-    torch.cuda.synchronize()
-
-
-def randn(*shape, dtype, scale=1.0):
-    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
-
-
-def assert_close(out, ref, pt, what="out"):
-    assert not out.isnan().any(), f"{what}: NaN in the kernel output"
-    err = (out.float() - ref.float()).abs().max().item()
-    bound = 2 * (pt.float() - ref.float()).abs().max().item() + 1e-5
-    assert err <= bound, f"{what}: max error {err:.3e} > bound {bound:.3e}"
-
-
-def assert_lse(lse, lse_ref):
-    finite = torch.isfinite(lse_ref)
-    assert torch.equal(torch.isposinf(lse), torch.isposinf(lse_ref)), "LSE: +inf rows differ"
-    assert not lse.isnan().any(), "LSE: NaN"
-    torch.testing.assert_close(lse[finite], lse_ref[finite].float(), atol=2e-3, rtol=1e-3)
-
-
-def check_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=None, scale=None):
-    assert ops.backend_for(q)[0] == "cuda"
-    poison_allocator()
-    out, lse, _ = flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
-                                  alibi_slopes=alibi, return_attn_probs=True)
-    kw = dict(softmax_scale=scale, causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi)
-    ref = naive_attention(q.float(), k.float(), v.float(), **kw)
-    pt = naive_attention(q, k, v, **kw)
-    assert_close(out, ref, pt)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    _, lse_ref = reference.fwd(q.float(), k.float(), v.float(), None, None, None, q.shape[1], k.shape[1], scale,
-                               causal, window[0], window[1], softcap, alibi, 0.0, None)
-    assert_lse(lse, lse_ref)
-    return out, lse
 
 
 # ---- dense: head dims x lengths x causal ------------------------------------------------
@@ -136,10 +93,6 @@ def test_64bit_offsets():
 
 
 # ---- varlen, KV cache ----------------------------------------------------------------------
-
-
-def cu_seqlens(lengths):
-    return torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -7,7 +7,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hf_flash import flash_attn_func, flash_attn_varlen_func
-from test_kernels_fwd import check_dense, cu_seqlens, randn
+from helpers import check_dense, cu_seqlens, randn
 
 pytestmark = [
     pytest.mark.gpu,

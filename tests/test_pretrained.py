@@ -17,10 +17,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 transformers = pytest.importorskip("transformers")
 
 import hf_flash  # noqa: E402,F401  (registers "hf_flash")
+from helpers import SHAKESPEARE  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-SHAKESPEARE = Path(__file__).parents[2] / "shared/data/tinyshakespeare.txt"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Measured: perplexity rel. diff ~2e-7, max |logit diff| ~6e-5 (logits are O(10)); embeddings ~1e-7.
 PPL_RTOL = 1e-5

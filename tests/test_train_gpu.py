@@ -1,27 +1,26 @@
 """Fine-tune check on the GPU: a tiny random-init Llama trained for 30 steps with
 attn_implementation="hf_flash" tracks "sdpa" from the same seed.
 
-Text: .data/tinyshakespeare.txt in the repository root (ignored by git; copy a
-slice of the shared file there before a device run); skipped when missing.
+Text: helpers.SHAKESPEARE; skipped when missing.
 Tolerance: bf16 weights and activations drift apart step by step through
 rounding alone, so per-step losses must agree within 2% relative (loss ~ 4-6).
 """
 
-from pathlib import Path
 
 import pytest
 import torch
 
 import hf_flash  # noqa: F401  (registers "hf_flash" with transformers)
+from helpers import SHAKESPEARE
 
 pytestmark = pytest.mark.gpu
 
-DATA = Path(__file__).resolve().parent.parent / ".data" / "tinyshakespeare.txt"
+
 STEPS, BATCH, SEQ = 30, 4, 256
 
 
 def _batches():
-    data = torch.tensor(list(DATA.read_bytes()[: STEPS * BATCH * (SEQ + 1)]), dtype=torch.long)
+    data = torch.tensor(list(SHAKESPEARE.read_bytes()[: STEPS * BATCH * (SEQ + 1)]), dtype=torch.long)
     return data.view(STEPS, BATCH, SEQ + 1).cuda()  # byte-level tokens, no tokenizer needed
 
 
@@ -44,8 +43,8 @@ def _train(impl):
 
 
 def test_llama_finetune_tracks_sdpa():
-    if not DATA.exists():
-        pytest.skip(f"{DATA} missing (copy a slice of tinyshakespeare.txt there)")
+    if not SHAKESPEARE.exists():
+        pytest.skip(f"{SHAKESPEARE} missing (copy a slice of tinyshakespeare.txt there)")
     ref, ours = _train("sdpa"), _train("hf_flash")
     assert torch.isfinite(ours).all()
     assert ours[-1] < ours[0] - 0.5, f"no learning: {ours.tolist()}"

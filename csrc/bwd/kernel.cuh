@@ -1,4 +1,4 @@
-// FlashAttention-2 backward on mma.sync (sm80+), v2 main kernel for d <= 128.
+// FlashAttention-2 backward on mma.sync (sm80+), main kernel for d <= 128.
 // One CTA (8 warps) per (block of 128 keys, kv head, batch): K/V resident in
 // smem, dK/dV in registers, loop over the query heads of the GQA group and
 // their query blocks (Q, dO, LSE, D double-buffered by cp.async). Per query
@@ -9,11 +9,11 @@
 //       This order lets the exp of P overlap the dV MMAs and dS the dK MMAs.
 //   C   dQ = dS K, added into the fp32 accumulator (8-byte vector reductions
 //       on sm90)
-// The v1 kernel (kernel_v1.cuh) stays for d > 128. See benchmarks/NOTES-bwd.md.
+// d > 128 runs kernel_large_d.cuh (docs/design/backward-sm90.md).
 #pragma once
 #include <type_traits>
 
-#include "bwd/common.cuh"
+#include "attn/bwd_common.cuh"
 
 namespace hf_flash {
 namespace bwd {
@@ -28,15 +28,10 @@ __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 #endif
 }
 
-// 4-byte cp.async, zero-filled when !pred.
-__device__ __forceinline__ void cp_async4(uint32_t smem_addr, const void* gmem, bool pred) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(pred ? 4 : 0));
-}
-
 template <bool kIsBf16, int kHeadDim>
-struct Traits {
+struct BwdTraits {
   using T = typename tile::Elem<kIsBf16>::T;
-  // 128 query rows per step at d64 (measured faster than 64, NOTES-bwd.md v2), 64 otherwise (registers).
+  // 128 query rows per step at d64 (faster than 64), 64 otherwise (registers).
   static constexpr int kD = kHeadDim, kBlockN = block_n(kHeadDim), kBlockM = kHeadDim == 64 ? 128 : 64;
   static constexpr int kWarps = kThreads / 32;
   static_assert(kBlockN == 16 * kWarps, "warp w owns keys 16w..16w+15 in phase AB");
@@ -45,7 +40,7 @@ struct Traits {
   static constexpr int kStrideD = kD + 8;       // K, V, Q, dO rows (elements)
   static constexpr int kStrideM = kBlockM + 8;  // dS^T rows: one key, kBlockM queries
   // Phase C, dQ = dS K (kBlockM x d): kCWarpsM x (8 / kCWarpsM) warps, each kCTiles m16 tiles x kCCols;
-  // 32 x 32 warp tiles where the head dim allows (fewest smem bytes; d128: +2.5% over 16 x 64, NOTES-bwd.md).
+  // 32 x 32 warp tiles where the head dim allows (fewest smem bytes: fewer ldmatrix than 16 x 64).
   static constexpr int kCWarpsM = kBlockM == 64 && kD % 64 == 0 ? 2 : 4;
   static constexpr int kCTiles = kBlockM / 16 / kCWarpsM, kCCols = kD / (kWarps / kCWarpsM);
   static_assert(kCTiles >= 1 && kCCols % 16 == 0, "phase C warp tile");
@@ -58,8 +53,8 @@ struct Traits {
 
 template <bool kIsBf16, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, 1)
-    main_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, size_t copy_floats) {
-  using Tr = Traits<kIsBf16, kHeadDim>;
+    bwd_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_acc, size_t copy_floats) {
+  using Tr = BwdTraits<kIsBf16, kHeadDim>;
   using T = typename Tr::T;
   constexpr int kD = Tr::kD, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -72,7 +67,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr uint32_t kStageBytes = kBlockM * Tr::kStrideD * 2;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   // Grid (key lanes, h_k, batch): CTAs start in linear order, so the key blocks of one head run together
-  // and share its Q/dO and dQ rows in L2 (kv head fastest measured 8-15% slower, NOTES-bwd.md v2.1).
+  // and share its Q/dO and dQ rows in L2 (the kv head fastest was slower).
   const int bx = blockIdx.x, hk = blockIdx.y, b = blockIdx.z, lanes = gridDim.x;
   const int groups = p.h / p.h_k;
   const Seq seq(p, b);
@@ -84,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float scale_over_cap = p.softcap > 0 ? p.softmax_scale / p.softcap : 0.f;
   uint64_t seed = 0;
   uint32_t rng_offset = 0;
-  if (p.p_dropout > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
+  if (p.dropout_p > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
 
   for (int n_block = bx; n_block < n_blocks; n_block += lanes) {
     __syncthreads();  // the previous key block is done with K/V and every buffer
@@ -209,12 +204,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (p.alibi_slopes) s2 -= slope2 * fabsf(float(row + off - key));
                 const float prob = full || visible(row, key) ? tile::fast_exp2(s2 - lse_r) : 0.f;
                 bool kept = true;
-                if (p.p_dropout > 0) {
+                if (p.dropout_p > 0) {
                   const tile::Philox4 rnd = tile::philox(seed, uint32_t(key) >> 2, row, b * p.h + head, rng_offset);
                   const uint32_t word = (key & 3) == 0 ? rnd.x : (key & 3) == 1 ? rnd.y : (key & 3) == 2 ? rnd.z : rnd.w;
                   kept = word >= p.dropout_threshold;
                 }
-                pv[r] = kept ? prob * (p.p_dropout > 0 ? p.rp_dropout : 1.f) : 0.f;
+                pv[r] = kept ? prob * (p.dropout_p > 0 ? p.rp_dropout : 1.f) : 0.f;
                 const float pd = p.softcap > 0 ? prob * (1.f - th * th) : prob;
                 x[j][r] = kept ? pd : -pd;
               }
@@ -249,7 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
         };
-        const bool plain = p.softcap <= 0.f && !p.alibi_slopes && p.p_dropout <= 0.f;
+        const bool plain = p.softcap <= 0.f && !p.alibi_slopes && p.dropout_p <= 0.f;
         // S, P, dV, then dP, dS, dK: on the fast path each elementwise pass shares a basic block with the
         // next GEMM, so the scheduler overlaps them.
         float x[kBlockM / 8][4] = {}, dp[kBlockM / 8][4] = {};
@@ -265,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           probs(std::true_type{}, x, af);
           gemm_queries(af, sDO, acc[0]);
           gemm_keys(sV, sDO, dp);
-          if (p.p_dropout > 0) {
+          if (p.dropout_p > 0) {
             grads(std::true_type{}, x, dp, af);
           } else {
             grads(std::false_type{}, x, dp, af);

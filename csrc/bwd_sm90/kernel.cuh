@@ -1,6 +1,6 @@
 // FlashAttention backward main kernel on Hopper (sm_90a), warp-specialised, d64 and d128, no softcap / ALiBi /
 // window / dropout / deterministic mode (csrc/bwd handles those and every other GPU). Same preprocess, fp32 dQ
-// accumulator, convert kernel and LSE / D conventions as csrc/bwd (launch.cuh picks the kernel).
+// accumulator, convert kernel and LSE / D conventions as csrc/bwd (attn/bwd_common.cuh; csrc/bwd.cu picks the kernel).
 //
 // One CTA (3 warpgroups) per (block of 128 keys, kv head, batch); K, V resident in smem, loop over the query
 // heads of the GQA group and their query blocks:
@@ -16,7 +16,7 @@
 //     P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T - D) scale     in registers, branch-free
 //     dV += P^T dO, dK += dS^T Q             wgmma, P^T / dS^T as register A operands, dO / Q MN-major
 //     dQ = dS K                              wgmma from dS^T stored to smem, stored as an fp32 tile for the
-//                                            producer's reduction (Traits::kSharedDq):
+//                                            producer's reduction (BwdSm90Traits::kSharedDq):
 //       d128: both warpgroups' halves of dS^T form one 128-key tile (a 256-thread named barrier after the
 //             stores; double-buffered), warpgroup w computes dQ columns 64w..64w+63 into one shared tile;
 //       d64:  warpgroup w computes all of dQ over its own 64 keys from its own dS^T tile (a 128-thread
@@ -25,10 +25,10 @@
 //     run under dK.
 // Varlen: Q / dO / K / V rows past a sequence are the next sequence's rows (zero past the tensor), all masked
 // (P = 0, dS = 0), so their dQ rows add 0 to the next sequence's (non-finite input there aside); K / V rows past
-// it are not stored. Tiles are 128-byte swizzled panels (sm90/wgmma.cuh). See benchmarks/NOTES-sm90.md.
+// it are not stored. Tiles are 128-byte swizzled panels (sm90/wgmma.cuh). Design: docs/design/backward-sm90.md.
 #pragma once
 
-#include "bwd/kernel.cuh"
+#include "attn/bwd_common.cuh"
 #include "sm90/schedule.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
@@ -37,15 +37,14 @@ namespace hf_flash {
 namespace bwd_sm90 {
 
 template <bool kIsBf16, int kHeadDim>
-struct Traits {
-  // 128 keys x 64 queries: dK, dV and S^T, dP^T (or dQ) fit in 240 registers with room for the scheduler (d64
-  // ran 128 queries before: with the branch-free mask below ptxas spilled and serialised the wgmmas, and 64
-  // measured 1.01-1.04x the 128-query kernel with the short-circuit mask; benchmarks/NOTES-sm90.md).
+struct BwdSm90Traits {
+  // 128 keys x 64 queries: dK, dV and S^T, dP^T (or dQ) fit in 240 registers with room for the scheduler (at d64,
+  // 128 queries with the branch-free mask below made ptxas spill and serialise the wgmmas).
   static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = 64;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "instantiated head dims");
   static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
   static_assert(kBlockN == 2 * 64, "two consumer warpgroups of 64 keys");
-  // dQ (measured, benchmarks/NOTES-sm90.md): kSharedDq (d128), the warpgroups' dS^T halves form one tile of
+  // dQ (the faster layout per head dim): kSharedDq (d128), the warpgroups' dS^T halves form one tile of
   // the 128 keys (double-buffered: the other warpgroup's dQ wgmma may still read block it - 1) and warpgroup w
   // computes dQ columns 64w..64w+63 over all of them into one dQ tile; else (d64) each warpgroup computes all of
   // dQ over its own 64 keys from its own dS^T tile into its own dQ tile, and nothing in the loop waits for the
@@ -76,11 +75,11 @@ struct TmaMaps {
 };
 
 template <bool kIsBf16, int kHeadDim>
-__global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
-    main_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
+__global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
+    bwd_sm90_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
                 const float* __restrict__ dsum, int group) {
 #ifdef HF_SM90_ENABLED
-  using Tr = Traits<kIsBf16, kHeadDim>;
+  using Tr = BwdSm90Traits<kIsBf16, kHeadDim>;
   constexpr int kD = kHeadDim, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
   constexpr int kQBytes = Tr::kQBytes;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -189,7 +188,7 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
   sm90::regs_alloc<Tr::kConsumerRegs>();
   const int tid = threadIdx.x - 128, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int off = seq.sk - seq.sq;
-  const bool causal = p.window_right == 0;  // else unmasked (supported() rules out windows)
+  const bool causal = p.window_right == 0;  // else unmasked (bwd_sm90_supports rules out windows)
   float dv[kD / 8][4] = {}, dk[kD / 8][4] = {};  // this warpgroup's 64 keys (GQA: summed over the group)
   const int key0 = n0 + 64 * wg + 16 * warp + g;  // this thread's keys: key0, key0 + 8
   // dQ: this warpgroup's dS^T rows (kSharedDq: the keys of both warpgroups), its dQ columns (col0..col0 + 63),
@@ -236,8 +235,8 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
     sm90::wait<1>();
     sm90::fence_operand(s);
     // Mask: P^T element (key0 + 8 h, row0 + c), c = 8 j + r % 2, h = r / 2, is visible iff first[h] <= c < end,
-    // a branch-free compare pair against an immediate c (d128 1.03-1.07x: short-circuit row / key tests compiled
-    // to one small branch per element, each a ~20-cycle stall before dV could issue).
+    // a branch-free compare pair against an immediate c (short-circuit row / key tests compile to one small
+    // branch per element, each a stall before dV can issue).
     const int row0 = m0 + 2 * t, end = seq.sq - row0;
     int first[2];
 #pragma unroll
@@ -350,19 +349,6 @@ __global__ void __launch_bounds__(Traits<kIsBf16, kHeadDim>::kThreads, 1)
     bwd::store_grad_row<kIsBf16, kD>(p, seq, b, hk, key0 + 8 * h2, 2 * t, h2, false, dk);
   }
 #endif  // HF_SM90_ENABLED
-}
-
-// Whether this kernel runs the backward of p: a CC 9.0 GPU, a build with sm_90a code for it, and none of the
-// features it leaves to csrc/bwd (use_sm90: HF_FLASH_DISABLE_SM90=1 forces csrc/bwd).
-template <bool kIsBf16, int kHeadDim>
-bool supported(const BwdParams& p) {
-  if constexpr (kHeadDim != 64 && kHeadDim != 128) {
-    return false;
-  } else {
-    static const bool has_sm90_code = sm90::has_sm90a_code(main_kernel<kIsBf16, kHeadDim>);
-    return use_sm90(p) && has_sm90_code && p.softcap <= 0.f && !p.alibi_slopes &&
-           p.p_dropout <= 0.f && !p.deterministic && p.window_left < 0 && p.window_right <= 0;
-  }
 }
 
 }  // namespace bwd_sm90

@@ -1,25 +1,29 @@
-// Launch of the Hopper backward kernel (kernel.cuh): TMA maps, grid, shared memory.
+// The Hopper backward (kernel.cuh) around the shared prologue / epilogue: TMA maps, grid, shared memory.
 #pragma once
-#include "bwd/config.h"
+#include "attn/bwd_common.cuh"
 #include "bwd_sm90/kernel.cuh"
 #include "sm90/schedule.cuh"
 #include "sm90/tma.cuh"
 
 namespace hf_flash {
-namespace bwd_sm90 {
 
-// cudaErrorNotSupported when the driver cannot describe the tensors to TMA (e.g. strides that are not multiples
-// of 16 bytes): run_bwd_hdim then runs the mma.sync kernel.
+// Before launching anything: cudaErrorNoKernelImageForDevice when this build carries no sm_90a code for the
+// kernel, cudaErrorNotSupported when the driver cannot describe the tensors to TMA (e.g. strides that are not
+// multiples of 16 bytes); run_bwd then runs the mma.sync backward.
 template <bool kIsBf16, int kHeadDim>
-cudaError_t run_main(const BwdParams& p, const float* dsum, float* dq_acc, cudaStream_t stream) {
-  using Tr = Traits<kIsBf16, kHeadDim>;
+cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
+  using Tr = bwd_sm90::BwdSm90Traits<kIsBf16, kHeadDim>;
+  auto kernel = &bwd_sm90::bwd_sm90_kernel<kIsBf16, kHeadDim>;
+  static const bool has_sm90a = sm90::has_sm90a_code(kernel);
+  if (!has_sm90a) return cudaErrorNoKernelImageForDevice;
+  const bwd::BwdWorkspace ws(p);
   const bool varlen = p.cu_seqlens_q != nullptr;
   // A varlen tensor is one batch of its total rows.
   const int batches = varlen ? 1 : p.b, rows_q = varlen ? p.total_q : p.seqlen_q;
   const int rows_k = varlen ? p.total_k : p.seqlen_k;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   const sm90::TmaElem elem = sm90::tma_elem(kIsBf16);
-  TmaMaps maps;
+  bwd_sm90::TmaMaps maps;
   cudaError_t err = sm90::make_rows_map(&maps.q, p.q, elem, p.d, p.h, rows_q, batches, p.q_head_stride,
                                         p.q_row_stride, p.q_batch_stride, kBlockM);
   if (err == cudaSuccess) {
@@ -36,20 +40,21 @@ cudaError_t run_main(const BwdParams& p, const float* dsum, float* dq_acc, cudaS
   }
   if (err == cudaSuccess) {  // dq_acc: fp32 (rows, h, d), a dense batch seqlen_q of those rows
     constexpr int kD = kHeadDim;
-    err = sm90::make_rows_map(&maps.dq_acc, dq_acc, sm90::TmaElem::kF32, kD, p.h, rows_q, batches, kD,
+    err = sm90::make_rows_map(&maps.dq_acc, ws.dq_acc, sm90::TmaElem::kF32, kD, p.h, rows_q, batches, kD,
                               int64_t(p.h) * kD, int64_t(p.seqlen_q) * p.h * kD, kBlockM);
   }
   if (err != cudaSuccess) return err;
-  auto kernel = &main_kernel<kIsBf16, kHeadDim>;
   err = allow_smem(kernel, Tr::kSmemBytes);
+  if (err != cudaSuccess) return err;
+
+  err = bwd::bwd_prologue<kIsBf16, kHeadDim>(p, ws, stream);
   if (err != cudaSuccess) return err;
   // Sections of (kv head, batch) pairs (sm90/schedule.cuh); a pair's key blocks share its Q and dO.
   const int n_blocks = bwd::num_n_blocks(p), pairs = p.h_k * p.b;
   const int group = sm90::section_group(p.window_right == 0, pairs, n_blocks, p.num_sms,
                                         int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2);
-  kernel<<<n_blocks * pairs, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, dsum, group);
-  return cudaSuccess;
+  kernel<<<n_blocks * pairs, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, ws.dsum, group);
+  return bwd::bwd_epilogue<kIsBf16, kHeadDim>(p, ws, stream);
 }
 
-}  // namespace bwd_sm90
 }  // namespace hf_flash

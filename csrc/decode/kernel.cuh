@@ -11,9 +11,9 @@
 #pragma once
 #include <cmath>
 
+#include "attn/fwd_math.cuh"
 #include "decode/traits.cuh"
 #include "flash.h"
-#include "fwd/kernel.cuh"
 #include "tile.cuh"
 
 namespace hf_flash {
@@ -45,13 +45,10 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
   const int batch = blockIdx.z / p.h_k, head_k = blockIdx.z % p.h_k;
   const int2 keys = fwd::key_range(p, batch);
   const int seqlen_k = keys.y;
-  const int diag = seqlen_k - p.seqlen_q;
-  const int reach = p.seqlen_q + seqlen_k;
-  const int left = p.window_left >= 0 ? min(p.window_left, reach) : reach;
-  const int right = p.window_right >= 0 ? min(p.window_right, reach) : reach;
+  const fwd::KeyWindow window(p, p.seqlen_q, seqlen_k);
   const int i_first = r0 / group, i_last = (min(r0 + kBlockM, rows) - 1) / group;
-  const int n_begin = max(0, i_first + diag - left);
-  const int n_end = min(seqlen_k, i_last + diag + right + 1);
+  const int n_begin = max(0, window.lo(i_first));
+  const int n_end = window.hi(i_last) + 1;
   // This split's share of the visible key blocks, then this warp's: blocks c0 + warp + kWarps * it.
   const int blk_begin = n_begin / kBlockN;
   const int blk_end = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : blk_begin;
@@ -97,7 +94,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
   // Per accumulator row (half = 0: row g, 1: row g + 8): visible keys [lo, hi], ALiBi slope.
   const float scale_log2 = p.softmax_scale_log2;
   const bool has_softcap = p.softcap > 0.f;
-  const float softcap_in = has_softcap ? p.softmax_scale / p.softcap : 0.f;
+  const float scale_over_cap = has_softcap ? p.softmax_scale / p.softcap : 0.f;
   int lo[2], hi[2], qi[2];
   float alibi[2];
 #pragma unroll
@@ -105,8 +102,8 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
     const int r = g + half * 8;
     const bool valid = r0 + r < rows;
     qi[half] = query_of(r);
-    lo[half] = valid ? qi[half] + diag - left : seqlen_k;
-    hi[half] = valid ? min(seqlen_k - 1, qi[half] + diag + right) : -1;
+    lo[half] = valid ? window.lo(qi[half]) : seqlen_k;
+    hi[half] = valid ? window.hi(qi[half]) : -1;
     alibi[half] = p.alibi_slopes && valid
                       ? p.alibi_slopes[batch * p.alibi_batch_stride + head_of(r)] * kLog2e / scale_log2
                       : 0.f;
@@ -130,13 +127,13 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
 
     float s[1][W::kNTiles][4] = {};
     fwd::gemm_qk<W>(s, q_frag, k_frag);
-    if (has_softcap) fwd::apply_softcap(s, p.softcap, softcap_in);
+    if (has_softcap) fwd::apply_softcap(s, p.softcap, scale_over_cap);
 #pragma unroll
     for (int nt = 0; nt < W::kNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int half = e >> 1, j = n0 + nt * 8 + 2 * t + (e & 1);
-        if (has_alibi) s[0][nt][e] -= alibi[half] * float(abs(qi[half] + diag - j));
+        if (has_alibi) s[0][nt][e] -= alibi[half] * float(abs(qi[half] + window.diag - j));
         if (j < lo[half] || j > hi[half]) s[0][nt][e] = -INFINITY;
       }
     fwd::online_softmax<W>(s, row_max, row_sum, o, scale_log2);

@@ -1,11 +1,9 @@
 // Compile-time shape of the split-KV decode kernel: one CTA per (query-row tile, split, KV head, batch).
 #pragma once
-#include "fwd/traits.cuh"
+#include "attn/fwd_traits.cuh"
+#include "flash.h"
 
 namespace hf_flash {
-
-constexpr int kDecodeBlockM = 16;  // packed (query, head-in-group) rows per CTA
-constexpr int kDecodeSplitBlock = 256;  // decode_num_splits: at least this many keys per split (4 steps per warp)
 
 template <bool kIsBf16, int kHeadDim_>
 struct DecodeTraits {

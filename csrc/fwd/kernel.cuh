@@ -9,245 +9,10 @@
 // Shared memory holds one Q, one K and one V tile, XOR-swizzled; cp.async
 // loads V during Q K^T and the next K during softmax and P V.
 #pragma once
-#include <cmath>
-
-#include "flash.h"
-#include "fwd/traits.cuh"
-#include "tile.cuh"
+#include "attn/fwd_math.cuh"
 
 namespace hf_flash {
 namespace fwd {
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-// Tile copies: 8 threads cover one 64-column group of a row (a 16-byte chunk
-// each) and kThreads / 8 rows per pass. The rows a thread touches share
-// row % 8 when kThreads >= 64, so its swizzled offsets differ by immediates only.
-// `thread` < kThreads (the decode kernel's warps copy their own tiles, thread = lane).
-template <class Tr>
-struct CopyLane {
-  static constexpr int kRowsPerPass = Tr::kThreads / 8;
-  int row, col;  // first row, column (elements)
-  uint32_t smem;
-  __device__ __forceinline__ explicit CopyLane(int thread = threadIdx.x)
-      : row(thread / 8), col(thread % 8 * 8), smem(tile::swizzle<Tr::kRowBytes>(row, col * 2)) {}
-  // Columns past d (d32, d96 pad their shared rows) are never copied or read.
-  __device__ __forceinline__ bool has_group(int cg) const { return cg * 64 + col < Tr::kHeadDim; }
-};
-
-// Copies kRows x kHeadDim elements into a swizzled tile; rows >= valid_rows and columns >= cols (the
-// tensors' head dim: kHeadDim, or in the decode kernel a multiple of 8 up to it) are zero-filled (zero V rows keep P V finite where P
-// is 0; zero Q / K columns leave q.k unchanged).
-template <class Tr, int kRows>
-__device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::T* gmem, int64_t row_stride,
-                                          int valid_rows, int cols, int thread = threadIdx.x) {
-  constexpr int kPass = CopyLane<Tr>::kRowsPerPass;
-  static_assert(kRows % kPass == 0, "whole passes per tile");
-  const CopyLane<Tr> lane(thread);
-  const typename Tr::T* src = gmem + lane.row * row_stride + lane.col;
-#pragma unroll
-  for (int cg = 0; cg < Tr::kSmemCols / 64; ++cg) {
-    if (!lane.has_group(cg)) continue;
-    const bool col_valid = cg * 64 + lane.col < cols;
-#pragma unroll
-    for (int rr = 0; rr < kRows / kPass; ++rr) {
-      const bool valid = col_valid && lane.row + rr * kPass < valid_rows;
-      const uint32_t dst = kPass % 8 == 0
-                               ? smem + lane.smem + rr * kPass * Tr::kRowBytes + cg * 128
-                               : smem + tile::swizzle<Tr::kRowBytes>(lane.row + rr * kPass, (lane.col + cg * 64) * 2);
-      tile::cp_async16(dst, valid ? src + rr * kPass * row_stride + cg * 64 : gmem, valid);
-    }
-  }
-}
-
-// Swizzled addresses of one thread's ldmatrix row: with row % 8 == lane % 8 and
-// lane_chunk in {0, 1}, 16-byte chunk 2c + lane_chunk of row + dr (dr % 8 == 0)
-// lies at base[c % 4] + (c / 4) * 128 + dr * kRowBytes, so every address in the
-// unrolled GEMMs is one of four registers plus an immediate.
-template <int kRowBytes>
-struct SwizzledRow {
-  uint32_t base[4];
-  __device__ __forceinline__ SwizzledRow(uint32_t tile_addr, int row, int lane_chunk) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) base[c] = tile_addr + tile::swizzle<kRowBytes>(row, (2 * c + lane_chunk) * 16);
-  }
-  __device__ __forceinline__ uint32_t operator()(int dr, int c) const {
-    return base[c % 4] + (c / 4) * 128 + dr * kRowBytes;
-  }
-};
-
-// S[mi][nt] += Q (this warp's slabs) K^T.
-template <class Tr>
-__device__ __forceinline__ void gemm_qk(float (&s)[Tr::kMTiles][Tr::kNTiles][4], const SwizzledRow<Tr::kRowBytes>& q,
-                                        const SwizzledRow<Tr::kRowBytes>& k) {
-#pragma unroll
-  for (int kk = 0; kk < Tr::kHeadDim / 16; ++kk) {
-    uint32_t a[Tr::kMTiles][4];
-#pragma unroll
-    for (int mi = 0; mi < Tr::kMTiles; ++mi) tile::ldmatrix_x4(a[mi], q(mi * 16, kk));
-#pragma unroll
-    for (int np = 0; np < Tr::kNTiles / 2; ++np) {
-      uint32_t b[4];
-      tile::ldmatrix_x4(b, k(np * 16, kk));
-      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-#pragma unroll
-      for (int mi = 0; mi < Tr::kMTiles; ++mi) {
-        tile::mma_16816<Tr::kIsBf16>(s[mi][2 * np], a[mi], b0);
-        tile::mma_16816<Tr::kIsBf16>(s[mi][2 * np + 1], a[mi], b1);
-      }
-    }
-  }
-}
-
-// P as the A operand of P V: the fp32 accumulator layout of S packs into 16-bit
-// pairs with no shuffles (k-step kk = n8 tiles 2kk, 2kk+1).
-template <class Tr>
-__device__ __forceinline__ void pack_p(uint32_t (&a)[Tr::kMTiles][Tr::kBlockN / 16][4],
-                                       const float (&p)[Tr::kMTiles][Tr::kNTiles][4]) {
-#pragma unroll
-  for (int mi = 0; mi < Tr::kMTiles; ++mi)
-#pragma unroll
-    for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
-      const float(&lo)[4] = p[mi][2 * kk];
-      const float(&hi)[4] = p[mi][2 * kk + 1];
-      a[mi][kk][0] = tile::pack2<Tr::kIsBf16>(lo[0], lo[1]);
-      a[mi][kk][1] = tile::pack2<Tr::kIsBf16>(lo[2], lo[3]);
-      a[mi][kk][2] = tile::pack2<Tr::kIsBf16>(hi[0], hi[1]);
-      a[mi][kk][3] = tile::pack2<Tr::kIsBf16>(hi[2], hi[3]);
-    }
-}
-
-// O[mi][dt] += P V.
-template <class Tr>
-__device__ __forceinline__ void gemm_pv(float (&o)[Tr::kMTiles][Tr::kDTiles][4],
-                                        const uint32_t (&p)[Tr::kMTiles][Tr::kBlockN / 16][4],
-                                        const SwizzledRow<Tr::kRowBytes>& v) {
-#pragma unroll
-  for (int kk = 0; kk < Tr::kBlockN / 16; ++kk)
-#pragma unroll
-    for (int dp = 0; dp < Tr::kDTiles / 2; ++dp) {
-      uint32_t b[4];
-      tile::ldmatrix_x4_trans(b, v(kk * 16, dp));
-      const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-#pragma unroll
-      for (int mi = 0; mi < Tr::kMTiles; ++mi) {
-        tile::mma_16816<Tr::kIsBf16>(o[mi][2 * dp], p[mi][kk], b0);
-        tile::mma_16816<Tr::kIsBf16>(o[mi][2 * dp + 1], p[mi][kk], b1);
-      }
-    }
-}
-
-// Keys of `batch` as (first row, count). A KV cache (seqused_k) holds rows [leftpad_k, seqused_k) of
-// its seqlen_k, clamped to them.
-__device__ __forceinline__ int2 key_range(const FwdParams& p, int batch) {
-  const bool varlen = p.cu_seqlens_k != nullptr;
-  const int start = varlen ? p.cu_seqlens_k[batch] : 0;
-  if (!p.seqused_k) return make_int2(start, varlen ? p.cu_seqlens_k[batch + 1] - start : p.seqlen_k);
-  const int end = max(0, min(p.seqused_k[batch], p.seqlen_k));
-  const int leftpad = p.leftpad_k ? min(max(p.leftpad_k[batch], 0), end) : 0;
-  return make_int2(start + leftpad, end - leftpad);
-}
-
-// Key j is visible to query i (both within their sequence) iff lo(i) <= j <= hi(i). An unbounded window
-// side reaches past both sequences, so one formula covers every mask.
-struct KeyWindow {
-  int diag, left, right, seqlen_k;
-  __device__ __forceinline__ KeyWindow(const FwdParams& p, int seqlen_q, int seqlen_k_)
-      : diag(seqlen_k_ - seqlen_q), seqlen_k(seqlen_k_) {
-    const int reach = seqlen_q + seqlen_k_;
-    left = p.window_left >= 0 ? min(p.window_left, reach) : reach;
-    right = p.window_right >= 0 ? min(p.window_right, reach) : reach;
-  }
-  __device__ __forceinline__ int lo(int i) const { return i + diag - left; }
-  __device__ __forceinline__ int hi(int i) const { return min(seqlen_k - 1, i + diag + right); }
-};
-
-// Scores of invisible keys -> -inf. Element (mi, nt, e) is row row_of(mi, e / 2), key n0 + 8 nt + 2t + e % 2.
-template <int kMTiles, int kNTiles, class RowOf>
-__device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], const KeyWindow& w, int n0, int t,
-                                           RowOf row_of) {
-#pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = row_of(mi, half);
-      const int lo = w.lo(i), hi = w.hi(i);
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = n0 + nt * 8 + 2 * t + e;
-          if (j < lo || j > hi) s[mi][nt][half * 2 + e] = -INFINITY;
-        }
-    }
-}
-
-// Natural-log LSE of a row from its max score (unscaled) and its sum of exp2(S * scale_log2 - max_scaled);
-// +inf for a row with no visible key.
-__device__ __forceinline__ float row_lse(float row_max, float row_sum, float scale_log2) {
-  return row_sum == 0.f ? INFINITY : (row_max * scale_log2 + __log2f(row_sum)) * kLn2;
-}
-
-// s = softcap * tanh(s * softcap_in) on the unscaled scores.
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void apply_softcap(float (&s)[kMTiles][kNTiles][4], float softcap, float softcap_in) {
-#pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[mi][nt][e] = softcap * tile::fast_tanh(s[mi][nt][e] * softcap_in);
-}
-
-// Online softmax step on one key block of masked scores: P = exp2(S * scale_log2 - max) in place, the
-// row sums rescaled to the new row max; alpha = the factor O must be rescaled by.
-template <class Tr>
-__device__ __forceinline__ void softmax_step(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
-                                             float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
-                                             float (&alpha)[Tr::kMTiles][2], float scale_log2) {
-#pragma unroll
-  for (int mi = 0; mi < Tr::kMTiles; ++mi)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float mx = row_max[mi][half];
-#pragma unroll
-      for (int nt = 0; nt < Tr::kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][half * 2], s[mi][nt][half * 2 + 1]));
-      mx = tile::quad_max(mx);
-      const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;  // fully masked so far: P = 0, no NaN
-      alpha[mi][half] = tile::fast_exp2(row_max[mi][half] * scale_log2 - max_scaled);
-      row_max[mi][half] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < Tr::kNTiles; ++nt)
-#pragma unroll
-        for (int e = half * 2; e < half * 2 + 2; ++e) {
-          s[mi][nt][e] = tile::fast_exp2(fmaf(s[mi][nt][e], scale_log2, -max_scaled));
-          sum += s[mi][nt][e];
-        }
-      row_sum[mi][half] = row_sum[mi][half] * alpha[mi][half] + sum;
-    }
-}
-
-template <class Tr>
-__device__ __forceinline__ void rescale_o(float (&o)[Tr::kMTiles][Tr::kDTiles][4], const float (&alpha)[Tr::kMTiles][2]) {
-#pragma unroll
-  for (int mi = 0; mi < Tr::kMTiles; ++mi)
-#pragma unroll
-    for (int dt = 0; dt < Tr::kDTiles; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[mi][dt][e] *= alpha[mi][e / 2];
-}
-
-// softmax_step, then O rescaled.
-template <class Tr>
-__device__ __forceinline__ void online_softmax(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
-                                               float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
-                                               float (&o)[Tr::kMTiles][Tr::kDTiles][4], float scale_log2) {
-  float alpha[Tr::kMTiles][2];
-  softmax_step<Tr>(s, row_max, row_sum, alpha, scale_log2);
-  rescale_o<Tr>(o, alpha);
-}
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant__ FwdParams p) {
@@ -301,10 +66,10 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
   // Rarely used features, all uniform branches.
   const float scale_log2 = p.softmax_scale_log2;
   const bool has_softcap = p.softcap > 0.f;
-  const float softcap_in = has_softcap ? p.softmax_scale / p.softcap : 0.f;
+  const float scale_over_cap = has_softcap ? p.softmax_scale / p.softcap : 0.f;
   // ALiBi bias in the units of S before scaling: slope * log2(e) / scale_log2.
   const float alibi = p.alibi_slopes ? p.alibi_slopes[batch * p.alibi_batch_stride + head] * kLog2e / scale_log2 : 0.f;
-  const bool has_dropout = p.p_dropout > 0.f;
+  const bool has_dropout = p.dropout_p > 0.f;
   const uint64_t seed = has_dropout ? uint64_t(p.rng_state[0]) : 0;
   const uint32_t rng_offset = has_dropout ? uint32_t(p.rng_state[1]) : 0;
 
@@ -338,7 +103,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
     tile::cp_async_commit();
 
     // ---- scores: softcap, ALiBi, mask (S is still q.k, unscaled) ----------------
-    if (has_softcap) apply_softcap(s, p.softcap, softcap_in);
+    if (has_softcap) apply_softcap(s, p.softcap, scale_over_cap);
     if (alibi != 0.f) {
 #pragma unroll
       for (int mi = 0; mi < kMTiles; ++mi)

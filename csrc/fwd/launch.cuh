@@ -2,7 +2,6 @@
 #pragma once
 #include "flash.h"
 #include "fwd/kernel.cuh"
-#include "fwd/traits.cuh"
 
 namespace hf_flash {
 
@@ -19,8 +18,8 @@ cudaError_t launch_fwd(const FwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Tiles (query rows x keys, warps) per head dim, measured on H100 (benchmarks/NOTES-fwd.md); d64 takes 128
-// keys per step, 2-7% faster than 64 (fwd_v1_tune_h100.txt).
+// Tiles (query rows x keys, warps) per head dim, the fastest spill-free ones on the H100; d64 takes 128 keys
+// per step (half the per-step overhead of 64; docs/design/forward-sm90.md).
 template <bool kIsBf16, int kHeadDim>
 using FwdTraitsFor = FwdTraits<kIsBf16, kHeadDim, kHeadDim <= 128 ? 128 : 64, kHeadDim == 64 ? 128 : 64, 4>;
 

@@ -14,13 +14,13 @@
 //                 the descriptor's transpose bit reads V's rows as B's K dimension)
 // Each consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back and places the softmax of block
 // j between the waits for the two, rescaling O once the second has landed (ptxas currently hoists that
-// second wait above the exponentials: benchmarks/NOTES-sm90.md). The consumers never wait for each other,
+// second wait above the exponentials: docs/design/forward-sm90.md). The consumers never wait for each other,
 // so one's softmax overlaps the other's GEMMs.
 #pragma once
 #include <cmath>
 
+#include "attn/fwd_math.cuh"
 #include "flash.h"
-#include "fwd/kernel.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 #include "tile.cuh"
@@ -29,7 +29,7 @@ namespace hf_flash {
 namespace fwd_sm90 {
 
 template <bool kIsBf16_, int kHeadDim_>
-struct Traits {
+struct FwdSm90Traits {
   static constexpr bool kIsBf16 = kIsBf16_;
   using T = typename tile::Elem<kIsBf16>::T;
   static constexpr int kHeadDim = kHeadDim_;

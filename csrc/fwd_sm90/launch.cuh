@@ -11,7 +11,7 @@ namespace hf_flash {
 // run_fwd then runs the mma.sync kernel.
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
-  using Tr = fwd_sm90::Traits<kIsBf16, kHeadDim>;
+  using Tr = fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim>;
   auto kernel = &fwd_sm90::fwd_sm90_kernel<Tr>;
   static const bool has_sm90a = sm90::has_sm90a_code(kernel);
   if (!has_sm90a) return cudaErrorNoKernelImageForDevice;

@@ -3,7 +3,7 @@
 // sections of `group` pairs, the block the slowest index within a section. Causal blocks differ in work; with
 // one pair's blocks in a row (group 1) the last pairs' heavy blocks start late and run alone at the end of the
 // grid. A section of enough pairs lets its light blocks balance its heavy ones across the SMs; too many pairs
-// and the CTAs of a wave no longer share their pair's data (Q / dO) in L2. See benchmarks/NOTES-sm90.md.
+// and the CTAs of a wave no longer share their pair's data (Q / dO) in L2 (docs/design/backward-sm90.md).
 #pragma once
 #include <algorithm>
 #include <cstdint>

@@ -6,7 +6,7 @@ namespace hf_flash {
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_bwd_hdim(const BwdParams&, cudaStream_t);
 
-cudaError_t run_bwd(const BwdParams& p, cudaStream_t s) {
+cudaError_t run_bwd_sm80(const BwdParams& p, cudaStream_t s) {
   switch (p.d) {
     case 32: return p.is_bf16 ? run_bwd_hdim<true, 32>(p, s) : run_bwd_hdim<false, 32>(p, s);
     case 64: return p.is_bf16 ? run_bwd_hdim<true, 64>(p, s) : run_bwd_hdim<false, 64>(p, s);

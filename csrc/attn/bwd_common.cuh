@@ -1,0 +1,232 @@
+// Pieces shared by the backward kernels: sequence offsets, the D = rowsum(dO*O)
+// preprocess, the dQ conversion, tile loads and paired mma.
+#pragma once
+#include <cmath>
+
+#include "attn/bwd_config.h"
+#include "flash.h"
+#include "tile.cuh"
+
+namespace hf_flash {
+namespace bwd {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+
+// One sequence of the batch: its lengths, its first row in the tensors (added
+// to batch_stride * b, so 0 when dense), and its first row in the workspace's
+// packed row space (dense: b * seqlen_q).
+struct Seq {
+  int q0, k0, sq, sk, ws0;
+  __device__ Seq(const BwdParams& p, int b) {
+    if (p.cu_seqlens_q) {
+      q0 = p.cu_seqlens_q[b]; sq = p.cu_seqlens_q[b + 1] - q0;
+      k0 = p.cu_seqlens_k[b]; sk = p.cu_seqlens_k[b + 1] - k0;
+      ws0 = q0;
+    } else {
+      q0 = 0; sq = p.seqlen_q;
+      k0 = 0; sk = p.seqlen_k;
+      ws0 = b * p.seqlen_q;
+    }
+  }
+};
+
+// Element offset of (packed row, head) for a tensor with (batch, row, head)
+// strides; dense rows split into (batch, row), varlen rows are already global.
+__device__ __forceinline__ int64_t row_offset(const BwdParams& p, int row, int seqlen, int head, int64_t bs,
+                                              int64_t rs, int64_t hs) {
+  const int b = p.cu_seqlens_q ? 0 : row / seqlen, i = p.cu_seqlens_q ? row : row % seqlen;
+  return b * bs + int64_t(i) * rs + head * hs;
+}
+
+// 4-byte cp.async, zero-filled when !pred.
+__device__ __forceinline__ void cp_async4(uint32_t smem_addr, const void* gmem, bool pred) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(pred ? 4 : 0));
+}
+
+// D[head][row] = sum_c dO[row, head, c] * O[row, head, c]; kHeadDim / 8 lanes per (row, head), 16 bytes
+// of O and dO each (one warp per (row, head) left most lanes idle: 80 us of a 1.9 ms backward).
+// Lanes per (row, head): the largest power of two (at most 32) dividing the row's 16-byte chunks.
+__host__ __device__ constexpr int dot_lanes(int d) {
+  int l = 1;
+  while (l < 32 && (d / 8) % (2 * l) == 0) l *= 2;
+  return l;
+}
+
+template <bool kIsBf16, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const BwdParams p, float* __restrict__ dsum) {
+  using T = typename tile::Elem<kIsBf16>::T;
+  constexpr int kLanes = dot_lanes(kHeadDim), kChunks = kHeadDim / 8 / kLanes;  // 16-byte chunks per lane
+  static_assert(kLanes >= 4 && 32 % kLanes == 0 && kChunks * kLanes * 8 == kHeadDim, "lane groups");
+  const int64_t item = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / kLanes;
+  const int lane = threadIdx.x % kLanes;
+  const bool ok = item < int64_t(p.total_q) * p.h;
+  const int row = ok ? int(item / p.h) : 0, head = ok ? int(item % p.h) : 0;
+  float acc = 0.f;
+  if (ok) {
+    const T* o = static_cast<const T*>(p.o) +
+                 row_offset(p, row, p.seqlen_q, head, p.o_batch_stride, p.o_row_stride, p.o_head_stride);
+    const T* d = static_cast<const T*>(p.dout) +
+                 row_offset(p, row, p.seqlen_q, head, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const uint4 ov = reinterpret_cast<const uint4*>(o)[lane + c * kLanes];
+      const uint4 dv = reinterpret_cast<const uint4*>(d)[lane + c * kLanes];
+      const T* o8 = reinterpret_cast<const T*>(&ov);
+      const T* d8 = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc += float(o8[i]) * float(d8[i]);
+    }
+  }
+#pragma unroll
+  for (int s = kLanes / 2; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
+  if (ok && lane == 0) dsum[int64_t(head) * p.total_q + row] = acc;
+}
+
+// dq = sum over copies of the fp32 accumulator, 8 elements per thread.
+template <bool kIsBf16, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p, const float* __restrict__ acc,
+                                                              size_t copy_floats, int copies) {
+  const int64_t chunk = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (chunk >= int64_t(p.total_q) * p.h * (kHeadDim / 8)) return;
+  const int c = int(chunk % (kHeadDim / 8)) * 8, head = int(chunk / (kHeadDim / 8) % p.h);
+  const int row = int(chunk / (kHeadDim / 8) / p.h);
+  float sum[8] = {};
+  for (int copy = 0; copy < copies; ++copy) {
+    const float4* src = reinterpret_cast<const float4*>(acc + copy * copy_floats + chunk * 8);
+    const float4 a = src[0], b = src[1];
+    sum[0] += a.x; sum[1] += a.y; sum[2] += a.z; sum[3] += a.w;
+    sum[4] += b.x; sum[5] += b.y; sum[6] += b.z; sum[7] += b.w;
+  }
+  uint4 out;
+  out.x = tile::pack2<kIsBf16>(sum[0], sum[1]); out.y = tile::pack2<kIsBf16>(sum[2], sum[3]);
+  out.z = tile::pack2<kIsBf16>(sum[4], sum[5]); out.w = tile::pack2<kIsBf16>(sum[6], sum[7]);
+  auto* dq = static_cast<typename tile::Elem<kIsBf16>::T*>(p.dq) +
+             row_offset(p, row, p.seqlen_q, head, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride) + c;
+  *reinterpret_cast<uint4*>(dq) = out;
+}
+
+// The backward around either main kernel, one stream and no host synchronisation:
+//   bwd_prologue  zeroes the fp32 dQ accumulators and writes D = rowsum(dO * O) into the workspace;
+//   bwd_epilogue  sums the accumulators into dq.
+struct BwdWorkspace {
+  float* dsum;
+  float* dq_acc;
+  size_t dq_copy_floats;
+  int copies;
+  explicit BwdWorkspace(const BwdParams& p) {
+    const WorkspaceLayout ws(p);
+    auto* base = static_cast<unsigned char*>(p.workspace);
+    dsum = reinterpret_cast<float*>(base + ws.dsum_offset);
+    dq_acc = reinterpret_cast<float*>(base + ws.dq_offset);
+    dq_copy_floats = ws.dq_copy_floats;
+    copies = dq_copies(p);
+  }
+};
+
+template <bool kIsBf16, int kHeadDim>
+cudaError_t bwd_prologue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
+  const cudaError_t err = cudaMemsetAsync(ws.dq_acc, 0, sizeof(float) * ws.dq_copy_floats * ws.copies, stream);
+  if (err != cudaSuccess) return err;
+  const int64_t row_warps = int64_t(p.total_q) * p.h;
+  constexpr int kDotLanes = dot_lanes(kHeadDim);
+  dot_do_o_kernel<kIsBf16, kHeadDim><<<(row_warps * kDotLanes + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      p, ws.dsum);
+  return cudaSuccess;
+}
+
+template <bool kIsBf16, int kHeadDim>
+cudaError_t bwd_epilogue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
+  const int64_t chunks = int64_t(p.total_q) * p.h * (kHeadDim / 8);
+  convert_dq_kernel<kIsBf16, kHeadDim><<<(chunks + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      p, ws.dq_acc, ws.dq_copy_floats, ws.copies);
+  return cudaGetLastError();
+}
+
+// Copy kRows x kD elements (rows >= limit zero-filled) into padded smem rows. Compile-time trip count,
+// and each thread's rows are r0, r0 + kRowStep, ... so the source advances by one 64-bit add per copy
+// (a runtime-bound loop with per-chunk index math cost ~100 instructions per tile per step).
+template <class Tr, int kRows>
+__device__ __forceinline__ void load_tile(uint32_t smem, const typename Tr::T* gmem, int64_t row_stride, int limit) {
+  constexpr int kChunks = Tr::kD / 8;  // 16-byte chunks per row
+  if constexpr (kThreads % kChunks == 0) {
+    constexpr int kRowStep = kThreads / kChunks;
+    static_assert(kRows % kRowStep == 0, "whole passes");
+    const int r0 = threadIdx.x / kChunks, col = threadIdx.x % kChunks * 8;
+    const typename Tr::T* src = gmem + r0 * row_stride + col;
+    smem += (r0 * Tr::kStrideD + col) * 2;
+#pragma unroll
+    for (int i = 0; i < kRows / kRowStep; ++i) {
+      const bool ok = r0 + i * kRowStep < limit;
+      tile::cp_async16(smem + i * kRowStep * Tr::kStrideD * 2, ok ? src : gmem, ok);
+      src += kRowStep * row_stride;
+    }
+  } else {  // d96, d192: rows of 12 / 24 chunks
+    constexpr int kTotal = kRows * kChunks;
+#pragma unroll
+    for (int i = 0; i < (kTotal + kThreads - 1) / kThreads; ++i) {
+      const int c = threadIdx.x + i * kThreads, r = c / kChunks, col = c % kChunks * 8;
+      if (kTotal % kThreads == 0 || c < kTotal) {
+        const bool ok = r < limit;
+        tile::cp_async16(smem + (r * Tr::kStrideD + col) * 2, ok ? gmem + r * row_stride + col : gmem, ok);
+      }
+    }
+  }
+}
+
+// Key block n0 and the query blocks of kBlockM rows [m_begin, m_begin + m_count) that see at least one key.
+struct KeyBlock {
+  int n0, m_begin, m_count;
+};
+template <int kBlockN, int kBlockM>
+__device__ __forceinline__ KeyBlock query_blocks(const BwdParams& p, const Seq& seq, int n0) {
+  const int off = seq.sk - seq.sq;  // diagonal (bottom-right alignment)
+  int m_lo = 0, m_hi = seq.sq;
+  if (p.window_right >= 0) m_lo = max(0, n0 - off - p.window_right);
+  if (p.window_left >= 0) m_hi = min(seq.sq, n0 + kBlockN - off + p.window_left);
+  const int m_begin = m_lo / kBlockM;
+  return {n0, m_begin, m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0};
+}
+// The start of a key block, shared by the sm80 main kernels: K and V into smem (one cp.async group) and its
+// query blocks.
+template <class Tr>
+__device__ __forceinline__ KeyBlock begin_key_block(const BwdParams& p, const Seq& seq, int b, int hk, int n_block,
+                                                    uint32_t sK, uint32_t sV) {
+  using T = typename Tr::T;
+  const int n0 = n_block * Tr::kBlockN;
+  const T* k = static_cast<const T*>(p.k) + p.k_batch_stride * b + int64_t(seq.k0 + n0) * p.k_row_stride +
+               hk * p.k_head_stride;
+  const T* v = static_cast<const T*>(p.v) + p.v_batch_stride * b + int64_t(seq.k0 + n0) * p.v_row_stride +
+               hk * p.v_head_stride;
+  load_tile<Tr, Tr::kBlockN>(sK, k, p.k_row_stride, seq.sk - n0);
+  load_tile<Tr, Tr::kBlockN>(sV, v, p.v_row_stride, seq.sk - n0);
+  tile::cp_async_commit();
+  return query_blocks<Tr::kBlockN, Tr::kBlockM>(p, seq, n0);
+}
+
+// Row `key` of dK (is_dv false) or dV from this thread's accumulator rows (g or g + 8 by h2), columns
+// col0 + 8j + 2t, as 16-bit pairs; GQA: the group's query heads are already summed in the accumulator.
+template <bool kIsBf16, int kCols>
+__device__ __forceinline__ void store_grad_row(const BwdParams& p, const Seq& seq, int b, int hk, int key, int col0,
+                                               int h2, bool is_dv, const float (&acc)[kCols / 8][4]) {
+  using T = typename tile::Elem<kIsBf16>::T;
+  if (key >= seq.sk) return;
+  T* dst = static_cast<T*>(is_dv ? p.dv : p.dk) + (is_dv ? p.dv_batch_stride : p.dk_batch_stride) * b +
+           int64_t(seq.k0 + key) * (is_dv ? p.dv_row_stride : p.dk_row_stride) +
+           hk * (is_dv ? p.dv_head_stride : p.dk_head_stride) + col0;
+#pragma unroll
+  for (int j = 0; j < kCols / 8; ++j)
+    *reinterpret_cast<uint32_t*>(dst + 8 * j) = tile::pack2<kIsBf16>(acc[j][2 * h2], acc[j][2 * h2 + 1]);
+}
+
+// Two n8 tiles sharing one A fragment; b holds both B fragments (ldmatrix_x4).
+template <bool kIsBf16>
+__device__ __forceinline__ void mma_pair(float (&acc0)[4], float (&acc1)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[4]) {
+  const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+  tile::mma_16816<kIsBf16>(acc0, a, b0);
+  tile::mma_16816<kIsBf16>(acc1, a, b1);
+}
+
+}  // namespace bwd
+}  // namespace hf_flash

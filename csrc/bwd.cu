@@ -1,0 +1,23 @@
+// The backward pass: its workspace and which kernel runs a call, chosen once as in the forward (csrc/fwd.cu).
+// Always compiled; HF_FLASH_DISABLE_BACKWARD leaves out the kernels and run_bwd.
+#include "attn/bwd_config.h"
+#include "flash.h"
+
+namespace hf_flash {
+
+size_t bwd_workspace_bytes(const BwdParams& p) { return bwd::WorkspaceLayout(p).bytes; }
+
+// The Hopper kernel covers d64 / d128, dense and varlen, causal or not; softcap, ALiBi, windows, dropout,
+// deterministic mode and other head dims run the mma.sync kernels.
+bool bwd_sm90_supports(const BwdParams& p) {
+  return (p.d == 64 || p.d == 128) && p.softcap <= 0.f && !p.alibi_slopes && p.dropout_p <= 0.f &&
+         !p.deterministic && p.window_left < 0 && p.window_right <= 0;
+}
+
+#ifndef HF_FLASH_DISABLE_BACKWARD
+cudaError_t run_bwd(const BwdParams& p, cudaStream_t s) {
+  return run_sm90_or_sm80(use_sm90(p) && bwd_sm90_supports(p), run_bwd_sm90, run_bwd_sm80, p, s);
+}
+#endif
+
+}  // namespace hf_flash

@@ -1,0 +1,30 @@
+// The forward pass: which kernel runs a call. Always compiled (also with HF_FLASH_DISABLE_FORWARD, which leaves
+// out the kernels and run_fwd), since the backward asks use_sm90 too.
+#include <cstdlib>
+#include <cstring>
+
+#include "flash.h"
+
+namespace hf_flash {
+
+// HF_FLASH_DISABLE_SM90=1 forces the mma.sync kernels on Hopper (read per call, so tests can compare both).
+bool use_sm90(const FwdParams& p) {
+  const char* off = std::getenv("HF_FLASH_DISABLE_SM90");
+  return p.arch == 90 && !(off && std::strcmp(off, "1") == 0);
+}
+
+// The Hopper kernel covers dense and varlen attention, causal or not, at d64 / d128; softcap, sliding
+// windows, ALiBi, dropout, KV-cache rows (seqused_k) and other head dims run the mma.sync kernel.
+bool fwd_sm90_supports(const FwdParams& p) {
+  const bool causal_or_full = p.window_left < 0 && (p.window_right < 0 || p.window_right == 0);
+  return (p.d == 64 || p.d == 128) && causal_or_full && p.softcap == 0.f && p.alibi_slopes == nullptr &&
+         p.dropout_p == 0.f && p.seqused_k == nullptr && p.leftpad_k == nullptr;
+}
+
+#ifndef HF_FLASH_DISABLE_FORWARD
+cudaError_t run_fwd(const FwdParams& p, cudaStream_t s) {
+  return run_sm90_or_sm80(use_sm90(p) && fwd_sm90_supports(p), run_fwd_sm90, run_fwd_sm80, p, s);
+}
+#endif
+
+}  // namespace hf_flash

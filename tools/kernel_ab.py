@@ -1,0 +1,54 @@
+"""Timings of the build on PYTHONPATH next to SDPA cuDNN (GQA through enable_gqa, as transformers calls it),
+backward (default) or forward, in one process; prints CSV lines TAG,case,backend,ms,tflops (tools/kernel_ab.sh
+compares builds; PASS=fwd there times the forward).
+
+    python tools/kernel_ab.py TAG [bwd|fwd]
+"""
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import hf_flash  # noqa: F401
+
+# (name, batch, seqlen, heads, kv heads, head dim, causal): the e2e benchmark's Llama layer, then the paper grid.
+CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384, 16, 8, 128, True),
+         ("llama 8x1024", 8, 1024, 16, 8, 128, True),
+         ("d128 causal 2k", 8, 2048, 16, 16, 128, True), ("d128 causal 16k", 1, 16384, 16, 16, 128, True),
+         ("d128 full 2k", 8, 2048, 16, 16, 128, False), ("d128 full 16k", 1, 16384, 16, 16, 128, False),
+         ("d64 causal 2k", 8, 2048, 32, 32, 64, True), ("d64 causal 16k", 1, 16384, 32, 32, 64, True),
+         ("d64 full 16k", 1, 16384, 32, 32, 64, False)]
+
+tag, mode = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bwd"
+
+
+def case(b, s, h, hk, d, causal):
+    """(ours, cuDNN's, the inputs whose grads do_bench resets) for one case of the chosen pass."""
+    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    opts = (d**-0.5, causal, -1, 0 if causal else -1, 0.0, None, 0.0, None)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    if mode == "fwd":
+        def cudnn():
+            with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk)
+
+        return lambda: torch.ops.hf_flash.fwd(q, k, v, None, None, None, s, s, *opts, False), cudnn, [q, k, v]
+    dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    out, lse = torch.ops.hf_flash.fwd(q, k, v, None, None, None, s, s, *opts, False)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk)
+    return (lambda: torch.ops.hf_flash.bwd(dout, q, k, v, out, lse, None, None, s, s, *opts, False),
+            lambda: o.backward(dout.transpose(1, 2), retain_graph=True), [q, k, v])
+
+
+for name, b, s, h, hk, d, causal in CASES:
+    flops = (2.5 if mode == "bwd" else 1.0) * 4 * b * s * s * h * d / (2 if causal else 1)
+    ours, cudnn, inputs = case(b, s, h, hk, d, causal)
+    for backend, fn in (("hf_flash", ours), ("cudnn", cudnn)):
+        ms = triton.testing.do_bench(fn, warmup=100, rep=300, grad_to_none=inputs, return_mode="median")
+        print(f"{tag},{name},{backend},{ms:.4f},{flops / ms * 1e-9:.1f}", flush=True)
+    del ours, cudnn, inputs  # the case's tensors
+    torch.cuda.empty_cache()

@@ -1,0 +1,47 @@
+#!/bin/bash
+# Same-process A/B of kernel builds on the device: builds this checkout ("new") and each git worktree named in
+# VARIANTS (.wt/<name>, e.g. `git worktree add .wt/base main`; carry them), runs the bwd tests on "new", then
+# two alternating rounds of tools/kernel_ab.py per build (cuDNN timed in every process) and prints the minimum
+# of each: ms, new / variant, cuDNN / new.   VARIANTS="base" bash tools/kernel_ab.sh
+# PASS=fwd times the forward instead (and runs the forward kernel tests).
+set -o pipefail
+export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=90a
+cd "$(dirname "$0")/.." && ROOT=$PWD
+OUT=$(realpath -m "${OUT:-out}"); mkdir -p "$OUT"  # absolute: the variants run from their worktrees
+VARIANTS=${VARIANTS:-base}
+PASS=${PASS:-bwd}
+TESTS=$([ "$PASS" = fwd ] && echo "tests/test_kernels_fwd.py tests/test_kernels_fwd_sm90.py" || echo tests/test_kernels_bwd.py)
+start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
+# This checkout builds (and links hf_flash/patches) through tools/gpu_check.sh; the variants are other
+# checkouts, possibly older than it, so they build with setup.py and get the link here.
+(STAGES=build OUT="$OUT/new" bash tools/gpu_check.sh > "$OUT/build_new.log" 2>&1; echo "new rc=$?" > "$OUT/new.rc") &
+for v in $VARIANTS; do
+  ln -sfn ../patches ".wt/$v/hf_flash/patches"
+  (cd ".wt/$v" && MAX_JOBS=6 python3 setup.py build_ext --inplace > "$OUT/build_$v.log" 2>&1; echo "$v rc=$?" > "$OUT/$v.rc") &
+done
+wait; stamp "built: $(cat "$OUT"/*.rc | tr '\n' ' ')"
+PYTHONPATH=$ROOT timeout 240 python3 -m pytest -q -x -p no:cacheprovider --tb=short -m gpu $TESTS \
+  > "$OUT/tests.log" 2>&1; rc=$?; stamp "tests rc=$rc: $(tail -1 "$OUT/tests.log")"
+[ $rc -eq 0 ] || exit $rc  # a build that fails its tests is not timed
+for round in 1 2; do
+  PYTHONPATH=$ROOT timeout 300 python3 tools/kernel_ab.py new $PASS >> "$OUT/ab.csv" 2>>"$OUT/ab.err"
+  for v in $VARIANTS; do
+    (cd ".wt/$v" && PYTHONPATH=$PWD timeout 300 python3 "$ROOT/tools/kernel_ab.py" "$v" $PASS >> "$OUT/ab.csv" 2>>"$OUT/ab.err")
+  done
+done
+stamp "a/b done"
+python3 - "$OUT/ab.csv" $VARIANTS <<'PY'
+import collections, sys
+t = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    tag, case, backend, ms, _ = line.strip().split(",")
+    t[(case, tag if backend == "hf_flash" else "cudnn")].append(float(ms))
+tags = ["new", *sys.argv[2:]]
+print(f"{'case':18} " + " ".join(f"{x:>8}" for x in tags) + f" {'cudnn':>8} "
+      + " ".join(f"{'new/' + x:>9}" for x in tags[1:]) + "  cudnn/new")
+for case in dict.fromkeys(c for c, _ in t):
+    ms = [min(t[(case, x)]) for x in tags]
+    cudnn = min(t[(case, "cudnn")])
+    print(f"{case:18} " + " ".join(f"{m:8.3f}" for m in ms) + f" {cudnn:8.3f} "
+          + " ".join(f"{m / ms[0]:9.3f}" for m in ms[1:]) + f"  {cudnn / ms[0]:9.3f}")
+PY
