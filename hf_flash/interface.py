@@ -96,11 +96,11 @@ def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
-def _run(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, dropout_p, softmax_scale, causal, window, softcap,
-         alibi_slopes, deterministic, return_attn_probs):
-    out, lse = ops.fwd(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, _scale(q, softmax_scale), bool(causal),
-                       window[0], window[1], float(softcap), alibi_slopes, float(dropout_p),
-                       _rng_state(q, dropout_p), bool(deterministic))
+def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
+         deterministic, return_attn_probs):
+    out, lse = ops.run_fwd(q, k, v, cu_q, cu_k, max_q, max_k, _scale(q, softmax_scale), bool(causal), window[0],
+                           window[1], float(softcap), alibi_slopes, float(dropout_p), _rng_state(q, dropout_p),
+                           bool(deterministic))
     if return_attn_probs:
         return out, lse, None  # flash-attn's third value (the P matrix) is testing-only; never materialised
     return out
@@ -116,7 +116,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, q.shape[0])
-    return _run(q, k, v, None, None, None, q.shape[1], k.shape[1], dropout_p, softmax_scale, causal, window,
+    return _run(q, k, v, None, None, q.shape[1], k.shape[1], dropout_p, softmax_scale, causal, window,
                 softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
@@ -142,7 +142,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
         if not isinstance(value, int) or value < 0:
             raise TypeError(f"{name} must be a non-negative int, got {value!r}")
     window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, cu_seqlens_q.numel() - 1)
-    return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, None, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
+    return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
                 softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 

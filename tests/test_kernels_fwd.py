@@ -55,8 +55,8 @@ def check_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=No
     pt = naive_attention(q, k, v, **kw)
     assert_close(out, ref, pt)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    _, lse_ref = reference.fwd(q.float(), k.float(), v.float(), None, None, None, q.shape[1], k.shape[1], scale,
-                               causal, window[0], window[1], softcap, alibi, 0.0, None)
+    _, lse_ref = reference.fwd(q.float(), k.float(), v.float(), None, None, q.shape[1], k.shape[1], scale, causal,
+                               window[0], window[1], softcap, alibi, 0.0, None)
     assert_lse(lse, lse_ref)
     return out, lse
 
@@ -159,8 +159,8 @@ def test_varlen(dtype, d, causal, same_lengths):
                                          return_attn_probs=True)
     assert lse.shape == (h, sum(lens_q))
     scale = d**-0.5
-    _, lse_ref = reference.fwd(q.float(), k.float(), v.float(), cu_q, cu_k, None, max(lens_q), max(lens_k), scale,
-                               causal, -1, -1, 0.0, None, 0.0, None)
+    _, lse_ref = reference.fwd(q.float(), k.float(), v.float(), cu_q, cu_k, max(lens_q), max(lens_k), scale, causal,
+                               -1, -1, 0.0, None, 0.0, None)
     assert_lse(lse, lse_ref)
     oq, ok = cu_q.tolist(), cu_k.tolist()
     for i in range(len(lens_q)):
@@ -215,7 +215,7 @@ def test_dropout(dtype, d, causal, sq, sk):
     rng_state = torch.tensor([torch.randint(0, 2**62, ()).item(), torch.randint(0, 2**40, ()).item()],
                              dtype=torch.int64, device="cuda")
     scale = d**-0.5
-    args = (None, None, None, sq, sk, scale, causal, -1, -1, 0.0, None, p, rng_state)
+    args = (None, None, sq, sk, scale, causal, -1, -1, 0.0, None, p, rng_state)
     out, lse = torch.ops.hf_flash.fwd(q, k, v, *args, False)
     keep = torch.stack([reference.dropout_keep(rng_state, i, h, torch.arange(sq, device="cuda"),
                                                torch.arange(sk, device="cuda"), p) for i in range(b)])
@@ -228,17 +228,37 @@ def test_dropout(dtype, d, causal, sq, sk):
 # ---- torch integration ----------------------------------------------------------------------
 
 
-def _op_args(dtype=torch.bfloat16):
-    q, k, v = randn(2, 77, 4, 64, dtype=dtype), randn(2, 130, 2, 64, dtype=dtype), randn(2, 130, 2, 64, dtype=dtype)
-    return (q, k, v, None, None, None, 77, 130, 0.125, True, -1, -1, 0.0, None, 0.0, None)
+def _op_args(d=64, dropout_p=0.0, requires_grad=False, dtype=torch.bfloat16):
+    q, k, v = randn(2, 77, 4, d, dtype=dtype), randn(2, 130, 2, d, dtype=dtype), randn(2, 130, 2, d, dtype=dtype)
+    rng_state = torch.randint(0, 2**62, (2,), device="cuda") if dropout_p else None
+    q, k, v = (t.requires_grad_(requires_grad) for t in (q, k, v))
+    return (q, k, v, None, None, 77, 130, 0.125, True, -1, -1, 0.0, None, dropout_p, rng_state, False)
 
 
-def test_opcheck_cuda_fwd():
-    torch.library.opcheck(torch.ops.hf_flash._cuda_fwd.default, _op_args())
+@pytest.mark.parametrize("d", [64, 80])  # 80: zero-padded to the d96 kernel inside the op
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_fwd(d, dropout_p, requires_grad):
+    torch.library.opcheck(torch.ops.hf_flash.fwd.default, _op_args(d, dropout_p, requires_grad))
 
 
-def test_opcheck_fwd():
-    torch.library.opcheck(torch.ops.hf_flash.fwd.default, (*_op_args(), False))
+def test_opcheck_fwd_varlen():
+    q, k, v = (randn(50, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32, device="cuda")
+    args = (q, k, v, cu, cu, 30, 30, 0.125, True, -1, -1, 0.0, None, 0.0, None, False)
+    torch.library.opcheck(torch.ops.hf_flash.fwd.default, args)
+
+
+def test_strided_and_padded_inputs_give_outputs_like_the_inputs():
+    """Outputs are laid out like q (as the fake implementation says) whatever copies the kernels needed."""
+    base = randn(2, 4, 77, 80, dtype=torch.bfloat16)
+    q = base.transpose(1, 2)  # (B, S, H, D) view of a (B, H, S, D) tensor; d80 runs the d96 kernel
+    out, lse = torch.ops.hf_flash.fwd(q, q, q, None, None, 77, 77, 0.125, True, -1, -1, 0.0, None, 0.0, None, False)
+    assert out.stride() == torch.empty_like(q).stride()
+    ref, ref_lse = reference.fwd(*(t.float() for t in (q, q, q)), None, None, 77, 77, 0.125, True, -1, -1, 0.0,
+                                 None, 0.0, None)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    assert_lse(lse, ref_lse)
 
 
 def test_compile_fullgraph():
