@@ -5,8 +5,8 @@ argument checks, CUDA implementations, fwd's autograd), and registered when the 
 imported; eager calls pay only the C++ dispatcher. Their fake implementations below let ``torch.compile`` and
 ``opcheck`` trace them without a GPU kernel, so compiled code sees each op as one opaque node (no graph breaks,
 safe under CUDA graphs). ``run_fwd`` / ``run_fwd_kvcache`` call the op when the kernels can run (extension
-built, fp16/bf16 on an sm80+ GPU, head dim <= 256) and the PyTorch reference (``hf_flash.reference``) otherwise,
-as plain differentiable torch code; ``backend_for`` says which and why.
+built, fp16/bf16 on an sm80+ GPU) and the PyTorch reference (``hf_flash.reference``) otherwise, as plain
+differentiable torch code that needs no op registration; ``backend_for`` says which and why.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import functools
 import importlib
 import importlib.util
 import logging
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -24,7 +22,6 @@ from . import reference
 
 logger = logging.getLogger("hf_flash")
 
-KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 # Query rows the split-KV decode kernel takes (kDecodeMaxSeqlenQ, csrc/flash.h): decode and speculative steps;
 # longer queries against a KV cache (and prefill in transformers) run the forward kernel.
 DECODE_MAX_SEQLEN_Q = 16
@@ -43,23 +40,19 @@ def extension_status() -> tuple[bool, str]:
     return True, "CUDA extension loaded"
 
 
-def kernel_head_dim(d: int) -> Optional[int]:
-    """Smallest compiled head dim >= d (the kernel that runs d)."""
-    return next((k for k in KERNEL_HEAD_DIMS if k >= d), None)
-
-
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
 def backend_for(q: Tensor) -> tuple[str, str]:
-    """("cuda" | "reference", reason) for a query tensor."""
-    return _backend(q.device, q.dtype, q.shape[-1])
+    """("cuda" | "reference", reason) for a query tensor. The kernels take every head dim the API accepts
+    (1..256: the C++ ops zero-pad it to a compiled one)."""
+    return _backend(q.device, q.dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[str, str]:
+def _backend(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     if device.type != "cuda":
         return "reference", f"tensors on {device.type}"
     loaded, detail = extension_status()
@@ -70,25 +63,23 @@ def _backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[s
     major, minor = _capability(device)
     if major < 8:
         return "reference", f"compute capability {major}.{minor} (kernels need 8.0+)"
-    if kernel_head_dim(head_dim) is None:
-        return "reference", f"head dim {head_dim} > {KERNEL_HEAD_DIMS[-1]}"
     return "cuda", f"CUDA kernels ({dtype}, sm{major}{minor})"
 
 
 @functools.lru_cache(maxsize=None)
-def _uses_kernels_cached(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    backend, reason = _backend(device, dtype, head_dim)
+def _log_backend_once(backend: str, reason: str) -> None:
     logger.info("hf_flash: using the %s path: %s", backend, reason)
-    return backend == "cuda"
 
 
 @torch.compiler.assume_constant_result  # torch.compile calls it once while tracing and keeps the answer
-def _uses_kernels(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    return _uses_kernels_cached(device, dtype, head_dim)
+def _uses_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    backend, reason = _backend(device, dtype)
+    _log_backend_once(backend, reason)
+    return backend == "cuda"
 
 
 def uses_kernels(q: Tensor) -> bool:
-    return _uses_kernels(q.device, q.dtype, q.shape[-1])
+    return _uses_kernels(q.device, q.dtype)
 
 
 def _lse_shape(q: Tensor, varlen: bool):
