@@ -68,7 +68,8 @@ struct Output {
 
 // Checks shared by every op; layout and alignment are for_kernel's business.
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool varlen) {
-  TORCH_CHECK_VALUE(q.is_cuda() && k.is_cuda() && v.is_cuda(), "hf_flash: q, k, v must be CUDA tensors");
+  TORCH_CHECK_VALUE(q.is_cuda() && k.device() == q.device() && v.device() == q.device(),
+                    "hf_flash: q, k, v must be CUDA tensors on one device");
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "hf_flash: the CUDA kernels take float16 or bfloat16, got ", q.scalar_type());
   TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
@@ -81,6 +82,7 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bo
   TORCH_CHECK_VALUE(k.size(-2) > 0 && q.size(-2) % k.size(-2) == 0,
                     "hf_flash: query heads must be a multiple of key/value heads");
   TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "hf_flash: k and v shapes differ");
+  TORCH_CHECK_VALUE(varlen || k.size(0) == q.size(0), "hf_flash: q and k must have the same batch size");
   const auto* props = at::cuda::getDeviceProperties(q.get_device());
   TORCH_CHECK(props->major >= 8, "hf_flash: the CUDA kernels need compute capability 8.0 or newer, got ",
               props->major, ".", props->minor);
@@ -103,7 +105,8 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
                  const c10::optional<at::Tensor>& alibi_slopes, double dropout_p,
                  const c10::optional<at::Tensor>& rng_state) {
   const bool varlen = cu_seqlens_q.has_value();
-  TORCH_CHECK(varlen == cu_seqlens_k.has_value(), "hf_flash: pass both cu_seqlens_q and cu_seqlens_k or neither");
+  TORCH_CHECK_VALUE(varlen == cu_seqlens_k.has_value(),
+                    "hf_flash: pass both cu_seqlens_q and cu_seqlens_k or neither");
   std::memset(&p, 0, sizeof(p));
   p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.o = o.data_ptr();
   p.lse = lse.data_ptr<float>();
@@ -115,10 +118,10 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
   p.h = q.size(-2); p.h_k = k.size(-2); p.d = q.size(-1);
   if (varlen) {
     for (const auto* t : {&*cu_seqlens_q, &*cu_seqlens_k}) {
-      TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(),
-                  "hf_flash: cu_seqlens must be contiguous int32 CUDA vectors");
+      TORCH_CHECK_TYPE(t->device() == q.device() && t->scalar_type() == at::kInt && t->dim() == 1,
+                       "hf_flash: cu_seqlens_q and cu_seqlens_k must be 1-D int32 tensors on q's device");
     }
-    TORCH_CHECK(cu_seqlens_q->numel() == cu_seqlens_k->numel() && cu_seqlens_q->numel() >= 2,
+    TORCH_CHECK_VALUE(cu_seqlens_q->numel() == cu_seqlens_k->numel() && cu_seqlens_q->numel() >= 2,
                 "hf_flash: cu_seqlens_q and cu_seqlens_k must both have batch+1 entries");
     p.b = cu_seqlens_q->numel() - 1;
     p.cu_seqlens_q = cu_seqlens_q->data_ptr<int>();
@@ -145,8 +148,11 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
   p.window_left = causal && window_left < 0 ? -1 : window_left;
   p.window_right = causal ? 0 : window_right;
   if (alibi_slopes.has_value()) {
-    TORCH_CHECK(alibi_slopes->is_cuda() && alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->stride(-1) == 1,
-                "hf_flash: alibi_slopes must be float32 CUDA, shape (h,) or (b, h)");
+    const bool shape_ok = alibi_slopes->dim() == 1 ? alibi_slopes->size(0) == p.h
+                                                    : alibi_slopes->dim() == 2 && alibi_slopes->size(0) == p.b &&
+                                                          alibi_slopes->size(1) == p.h;
+    TORCH_CHECK_VALUE(alibi_slopes->device() == q.device() && alibi_slopes->scalar_type() == at::kFloat && shape_ok,
+                      "hf_flash: alibi_slopes must be float32 of shape (heads,) or (batch, heads) on q's device");
     p.alibi_slopes = alibi_slopes->data_ptr<float>();
     p.alibi_batch_stride = alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
   }

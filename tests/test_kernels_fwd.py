@@ -266,3 +266,18 @@ def test_compile_fullgraph():
         randn(2, 300, 4, 128, dtype=torch.bfloat16)
     compiled = torch.compile(flash_attn_func, fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v, causal=True), flash_attn_func(q, k, v, causal=True), atol=0, rtol=0)
+
+
+def test_bad_inputs_raise_clear_errors_on_the_kernel_path():
+    """The C++ op checks the tensors itself (the eager path does no per-tensor Python work)."""
+    q = randn(2, 8, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="share a dtype"):
+        flash_attn_func(q, q.float(), q.float())
+    with pytest.raises(ValueError, match="same batch size"):
+        flash_attn_func(q, q[:1], q[:1])
+    with pytest.raises(ValueError, match="head dims"):
+        flash_attn_func(q, q[..., :32], q[..., :32])
+    with pytest.raises(ValueError, match="one device"):
+        flash_attn_func(q, q.cpu(), q.cpu())
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flash_attn_func(q, q, q, alibi_slopes=torch.ones(3, device="cuda"))
