@@ -122,7 +122,7 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
                        "hf_flash: cu_seqlens_q and cu_seqlens_k must be 1-D int32 tensors on q's device");
     }
     TORCH_CHECK_VALUE(cu_seqlens_q->numel() == cu_seqlens_k->numel() && cu_seqlens_q->numel() >= 2,
-                "hf_flash: cu_seqlens_q and cu_seqlens_k must both have batch+1 entries");
+                      "hf_flash: cu_seqlens_q and cu_seqlens_k must both have batch+1 entries");
     p.b = cu_seqlens_q->numel() - 1;
     p.cu_seqlens_q = cu_seqlens_q->data_ptr<int>();
     p.cu_seqlens_k = cu_seqlens_k->data_ptr<int>();
@@ -158,8 +158,9 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
   }
   p.p_dropout = dropout_p;
   if (dropout_p > 0) {
-    TORCH_CHECK(rng_state.has_value() && rng_state->is_cuda() && rng_state->scalar_type() == at::kLong &&
-                    rng_state->numel() == 2, "hf_flash: dropout needs rng_state, an int64 CUDA (2,) tensor");
+    TORCH_CHECK_VALUE(rng_state.has_value() && rng_state->device() == q.device() &&
+                          rng_state->scalar_type() == at::kLong && rng_state->numel() == 2,
+                      "hf_flash: dropout needs rng_state, an int64 (2,) tensor on q's device");
     p.rng_state = rng_state->data_ptr<int64_t>();
     p.rp_dropout = 1.0f / (1.0f - float(dropout_p));
     p.dropout_threshold = uint32_t(std::min(dropout_p * 4294967296.0, 4294967295.0));
