@@ -72,7 +72,7 @@ def extension_kwargs():
         sources=sources,
         include_dirs=[os.path.join(ROOT, "csrc")],
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17", *defines],
+            "cxx": ["-O3", "-std=c++20", *defines],
             "nvcc": ["-O3", "-std=c++17", *defines, "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
                      "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                      "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",

@@ -1,14 +1,17 @@
-// The only file that sees torch: validates tensors, fills hf_flash::FwdParams /
-// BwdParams and registers the CUDA implementations as torch.library ops
-// (hf_flash::_cuda_fwd, _cuda_fwd_kvcache, _cuda_bwd). hf_flash/ops.py wraps them in the
-// public ops with fake implementations and autograd.
+// The torch side of hf_flash: defines the public ops hf_flash::fwd / bwd / fwd_kvcache (the one place their
+// schemas are written), their CUDA implementations and the autograd kernel of fwd. An implementation checks its
+// arguments, brings q/k/v to the layout the kernels read (zero-padded head dim, 16-byte aligned rows), fills
+// hf_flash::FwdParams / BwdParams and launches; the kernels themselves stay torch-free. hf_flash/ops.py adds the
+// fake (meta) implementations and calls the PyTorch reference instead where the kernels cannot run.
 #include <Python.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 #include <torch/types.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "flash.h"
@@ -16,40 +19,82 @@
 namespace hf_flash {
 namespace {
 
-constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
+constexpr int64_t kHeadDims[] = {32, 64, 96, 128, 192, 256};
 
-// The kernels load rows with 16-byte cp.async: last dim contiguous, aligned base and strides.
-void check_rows(const at::Tensor& t) {
-  TORCH_CHECK(t.stride(-1) == 1, "hf_flash: the last dimension of q, k, v, out, dout must be contiguous");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "hf_flash: tensors must be 16-byte aligned");
-  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
-    TORCH_CHECK(t.stride(i) % 8 == 0, "hf_flash: strides must be multiples of 8 elements");
+// The instantiated head dim that runs head dim d: the smallest one >= d (columns past d are zero padding,
+// which changes neither q.k nor the output's first d columns).
+int64_t kernel_head_dim(int64_t d) {
+  for (int64_t hd : kHeadDims) {
+    if (hd >= d) return hd;
   }
+  TORCH_CHECK_VALUE(false, "hf_flash: head_dim must be at most 256 for the CUDA kernels, got ", d);
 }
 
-// exact_head_dim: the forward and backward kernels take exactly an instantiated head dim; the decode kernel any
-// multiple of 8 up to 256 (it runs the next instantiated one, zero-filling and skipping the columns past d).
-void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool varlen, bool exact_head_dim) {
-  TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "hf_flash: q, k, v must be CUDA tensors");
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              "hf_flash: the CUDA kernels take float16 or bfloat16, got ", q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "hf_flash: q, k, v must share a dtype");
-  const int64_t dims = varlen ? 3 : 4;
-  TORCH_CHECK(q.dim() == dims && k.dim() == dims && v.dim() == dims, "hf_flash: q, k, v must be ", dims, "-D");
-  for (const auto* t : {&q, &k, &v}) check_rows(*t);
-  const int64_t d = q.size(-1);
-  if (exact_head_dim) {
-    bool known = false;
-    for (int hd : kHeadDims) known |= (d == hd);
-    TORCH_CHECK(known, "hf_flash: kernel head dim must be one of 32/64/96/128/192/256, got ", d);
-  } else {
-    TORCH_CHECK(d % 8 == 0 && d >= 8 && d <= 256, "hf_flash: decode head dim must be a multiple of 8 up to 256, got ",
-                d);
+// The kernels load and store rows with 16-byte cp.async: last dim contiguous, aligned base and strides.
+bool kernel_layout(const at::Tensor& t, int64_t head_dim) {
+  if (t.size(-1) != head_dim || t.stride(-1) != 1 || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) {
+    return false;
   }
-  TORCH_CHECK(k.size(-1) == d && v.size(-1) == d, "hf_flash: q, k, v head dims differ");
-  TORCH_CHECK(q.size(-2) % k.size(-2) == 0, "hf_flash: query heads must be a multiple of key/value heads");
-  TORCH_CHECK(k.sizes() == v.sizes(), "hf_flash: k and v shapes differ");
+  for (int64_t i = 0; i + 1 < t.dim(); ++i) {
+    if (t.stride(i) % 8 != 0) return false;
+  }
+  return true;
+}
+
+// t as the kernels read it: head dim zero-padded to head_dim, copied only when its layout does not fit.
+at::Tensor for_kernel(const at::Tensor& t, int64_t head_dim) {
+  at::Tensor x = t.size(-1) == head_dim ? t : at::constant_pad_nd(t, {0, head_dim - t.size(-1)});
+  return kernel_layout(x, head_dim) ? x : x.clone(at::MemoryFormat::Contiguous);
+}
+
+// An output shaped and strided like `like` (as the fake implementations in ops.py say), and the tensor the
+// kernel writes: the output itself when its layout fits, else a padded twin copied back by finish().
+struct Output {
+  at::Tensor out, kernel;
+  Output(const at::Tensor& like, int64_t head_dim) : out(at::empty_like(like)) {
+    if (kernel_layout(out, head_dim)) {
+      kernel = out;
+    } else {
+      auto shape = like.sizes().vec();
+      shape.back() = head_dim;
+      kernel = at::empty(shape, like.options());
+    }
+  }
+  at::Tensor finish() {
+    if (!kernel.is_same(out)) out.copy_(kernel.narrow(-1, 0, out.size(-1)));
+    return out;
+  }
+};
+
+// Checks shared by every op; layout and alignment are for_kernel's business.
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool varlen) {
+  TORCH_CHECK_VALUE(q.is_cuda() && k.device() == q.device() && v.device() == q.device(),
+                    "hf_flash: q, k, v must be CUDA tensors on one device");
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                   "hf_flash: the CUDA kernels take float16 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                   "hf_flash: q, k, v must share a dtype");
+  const int64_t dims = varlen ? 3 : 4;
+  TORCH_CHECK_VALUE(q.dim() == dims && k.dim() == dims && v.dim() == dims, "hf_flash: q, k, v must be ", dims, "-D");
+  const int64_t d = q.size(-1);
+  TORCH_CHECK_VALUE(d >= 1 && d <= 256, "hf_flash: head_dim must be in 1..256, got ", d);
+  TORCH_CHECK_VALUE(k.size(-1) == d && v.size(-1) == d, "hf_flash: q, k, v head dims differ");
+  TORCH_CHECK_VALUE(k.size(-2) > 0 && q.size(-2) % k.size(-2) == 0,
+                    "hf_flash: query heads must be a multiple of key/value heads");
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "hf_flash: k and v shapes differ");
+  TORCH_CHECK_VALUE(varlen || k.size(0) == q.size(0), "hf_flash: q and k must have the same batch size");
+  const auto* props = at::cuda::getDeviceProperties(q.get_device());
+  TORCH_CHECK(props->major >= 8, "hf_flash: the CUDA kernels need compute capability 8.0 or newer, got ",
+              props->major, ".", props->minor);
+}
+
+c10::optional<at::Tensor> contiguous(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? c10::optional<at::Tensor>(t->contiguous()) : t;
+}
+
+at::Tensor lse_like(const at::Tensor& q, bool varlen) {
+  auto opts = q.options().dtype(at::kFloat);
+  return varlen ? at::empty({q.size(1), q.size(0)}, opts) : at::empty({q.size(0), q.size(2), q.size(1)}, opts);
 }
 
 void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -60,7 +105,8 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
                  const c10::optional<at::Tensor>& alibi_slopes, double dropout_p,
                  const c10::optional<at::Tensor>& rng_state) {
   const bool varlen = cu_seqlens_q.has_value();
-  TORCH_CHECK(varlen == cu_seqlens_k.has_value(), "hf_flash: pass both cu_seqlens_q and cu_seqlens_k or neither");
+  TORCH_CHECK_VALUE(varlen == cu_seqlens_k.has_value(),
+                    "hf_flash: pass both cu_seqlens_q and cu_seqlens_k or neither");
   std::memset(&p, 0, sizeof(p));
   p.q = q.data_ptr(); p.k = k.data_ptr(); p.v = v.data_ptr(); p.o = o.data_ptr();
   p.lse = lse.data_ptr<float>();
@@ -72,11 +118,11 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
   p.h = q.size(-2); p.h_k = k.size(-2); p.d = q.size(-1);
   if (varlen) {
     for (const auto* t : {&*cu_seqlens_q, &*cu_seqlens_k}) {
-      TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kInt && t->dim() == 1 && t->is_contiguous(),
-                  "hf_flash: cu_seqlens must be contiguous int32 CUDA vectors");
+      TORCH_CHECK_TYPE(t->device() == q.device() && t->scalar_type() == at::kInt && t->dim() == 1,
+                       "hf_flash: cu_seqlens_q and cu_seqlens_k must be 1-D int32 tensors on q's device");
     }
-    TORCH_CHECK(cu_seqlens_q->numel() == cu_seqlens_k->numel() && cu_seqlens_q->numel() >= 2,
-                "hf_flash: cu_seqlens_q and cu_seqlens_k must both have batch+1 entries");
+    TORCH_CHECK_VALUE(cu_seqlens_q->numel() == cu_seqlens_k->numel() && cu_seqlens_q->numel() >= 2,
+                      "hf_flash: cu_seqlens_q and cu_seqlens_k must both have batch+1 entries");
     p.b = cu_seqlens_q->numel() - 1;
     p.cu_seqlens_q = cu_seqlens_q->data_ptr<int>();
     p.cu_seqlens_k = cu_seqlens_k->data_ptr<int>();
@@ -98,19 +144,22 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
   p.softmax_scale = softmax_scale;
   p.softcap = softcap;
   p.softmax_scale_log2 = softcap > 0 ? float(M_LOG2E) : float(softmax_scale * M_LOG2E);
-  p.is_causal = causal;
   p.window_left = causal && window_left < 0 ? -1 : window_left;
   p.window_right = causal ? 0 : window_right;
   if (alibi_slopes.has_value()) {
-    TORCH_CHECK(alibi_slopes->is_cuda() && alibi_slopes->scalar_type() == at::kFloat && alibi_slopes->stride(-1) == 1,
-                "hf_flash: alibi_slopes must be float32 CUDA, shape (h,) or (b, h)");
+    const bool shape_ok = alibi_slopes->dim() == 1 ? alibi_slopes->size(0) == p.h
+                                                    : alibi_slopes->dim() == 2 && alibi_slopes->size(0) == p.b &&
+                                                          alibi_slopes->size(1) == p.h;
+    TORCH_CHECK_VALUE(alibi_slopes->device() == q.device() && alibi_slopes->scalar_type() == at::kFloat && shape_ok,
+                      "hf_flash: alibi_slopes must be float32 of shape (heads,) or (batch, heads) on q's device");
     p.alibi_slopes = alibi_slopes->data_ptr<float>();
     p.alibi_batch_stride = alibi_slopes->dim() == 2 ? alibi_slopes->stride(0) : 0;
   }
-  p.p_dropout = dropout_p;
+  p.dropout_p = dropout_p;
   if (dropout_p > 0) {
-    TORCH_CHECK(rng_state.has_value() && rng_state->is_cuda() && rng_state->scalar_type() == at::kLong &&
-                    rng_state->numel() == 2, "hf_flash: dropout needs rng_state, an int64 CUDA (2,) tensor");
+    TORCH_CHECK_VALUE(rng_state.has_value() && rng_state->device() == q.device() &&
+                          rng_state->scalar_type() == at::kLong && rng_state->numel() == 2,
+                      "hf_flash: dropout needs rng_state, an int64 (2,) tensor on q's device");
     p.rng_state = rng_state->data_ptr<int64_t>();
     p.rp_dropout = 1.0f / (1.0f - float(dropout_p));
     p.dropout_threshold = uint32_t(std::min(dropout_p * 4294967296.0, 4294967295.0));
@@ -121,68 +170,77 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
   p.arch = props->major * 10 + props->minor;
 }
 
-void check_arch() {
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  TORCH_CHECK(props->major >= 8, "hf_flash: the CUDA kernels need compute capability 8.0 or newer, got ",
-              props->major, ".", props->minor);
-}
-
-std::tuple<at::Tensor, at::Tensor> cuda_fwd(
+// hf_flash::fwd: attention forward on dense (b, s, h, d) or varlen (total, h, d) q/k/v (varlen when cu_seqlens_q
+// and cu_seqlens_k are given). Returns out (like q) and the float32 natural-log LSE, (b, h, s_q) dense or
+// (h, total_q) varlen, +inf on rows with no visible key. `deterministic` only steers the backward.
+std::tuple<at::Tensor, at::Tensor> fwd_cuda(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& cu_seqlens_q,
-    const c10::optional<at::Tensor>& cu_seqlens_k, const c10::optional<at::Tensor>& seqused_k,
-    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
-    int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, double dropout_p,
-    const c10::optional<at::Tensor>& rng_state) {
+    const c10::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, double softcap,
+    const c10::optional<at::Tensor>& alibi_slopes, double dropout_p, const c10::optional<at::Tensor>& rng_state,
+    bool deterministic) {
   const bool varlen = cu_seqlens_q.has_value();
-  check_qkv(q, k, v, varlen, true);
-  check_arch();
+  check_qkv(q, k, v, varlen);
   c10::cuda::CUDAGuard guard(q.device());
-  auto o = at::empty_like(q);
-  auto opts = q.options().dtype(at::kFloat);
-  auto lse = varlen ? at::empty({q.size(1), q.size(0)}, opts) : at::empty({q.size(0), q.size(2), q.size(1)}, opts);
-  if (q.numel() == 0) return {o, lse};
+  const int64_t hd = kernel_head_dim(q.size(-1));
+  Output o(q, hd);
+  auto lse = lse_like(q, varlen);
+  if (q.numel() == 0) return {o.out, lse};
+  const auto qk = for_kernel(q, hd), kk = for_kernel(k, hd), vk = for_kernel(v, hd);
+  // Locals: a copy must stay alive until the launch.
+  const auto cu_q = contiguous(cu_seqlens_q), cu_k = contiguous(cu_seqlens_k), alibi = contiguous(alibi_slopes);
   FwdParams p;
-  fill_common(p, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-              causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state);
+  fill_common(p, qk, kk, vk, o.kernel, lse, cu_q, cu_k, c10::nullopt, max_seqlen_q, max_seqlen_k, softmax_scale,
+              causal, window_left, window_right, softcap, alibi, dropout_p, rng_state);
 #ifdef HF_FLASH_DISABLE_FORWARD
   TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_FORWARD=1");
 #else
   C10_CUDA_CHECK(run_fwd(p, at::cuda::getCurrentCUDAStream()));
 #endif
-  return {o, lse};
+  return {o.finish(), lse};
 }
 
-// Inference against a KV cache (b, s_cache, h_k, d), any row/head/batch strides: the split-KV decode
-// kernel for seqlen_q <= kDecodeMaxSeqlenQ, the forward kernel above that. num_splits: 0 = heuristic.
-std::tuple<at::Tensor, at::Tensor> cuda_fwd_kvcache(
+// hf_flash::fwd_kvcache: inference forward against a KV cache (b, s_cache, h_k, d), strided views welcome:
+// row b attends to cache rows [cache_leftpad[b], cache_seqlens[b]), masks aligned to that range. Returns out
+// (like q) and the LSE (b, h, s_q). Up to kDecodeMaxSeqlenQ query rows run the split-KV decode kernel (any head
+// dim that is a multiple of 8 read in place, so a d80 cache is not copied each step; num_splits: 0 = heuristic),
+// longer queries the forward kernel.
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
     const c10::optional<at::Tensor>& cache_leftpad, double softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
-  check_qkv(q, k_cache, v_cache, false, q.size(1) > kDecodeMaxSeqlenQ);
-  check_arch();
-  TORCH_CHECK(k_cache.size(0) == q.size(0), "hf_flash: k_cache and q batch sizes differ");
-  TORCH_CHECK(cache_seqlens.is_contiguous(), "hf_flash: cache_seqlens must be contiguous");
-  TORCH_CHECK(num_splits >= 0, "hf_flash: num_splits must be >= 0");
+  check_qkv(q, k_cache, v_cache, false);
+  TORCH_CHECK_VALUE(k_cache.size(0) == q.size(0), "hf_flash: k_cache and q batch sizes differ");
+  TORCH_CHECK_VALUE(num_splits >= 0, "hf_flash: num_splits must be >= 0");
+  TORCH_CHECK_TYPE(cache_seqlens.is_cuda() && cache_seqlens.scalar_type() == at::kInt &&
+                       cache_seqlens.numel() == q.size(0),
+                   "hf_flash: cache_seqlens must be an int32 CUDA vector of batch entries");
   c10::cuda::CUDAGuard guard(q.device());
-  auto o = at::empty_like(q);
-  auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-  if (q.numel() == 0) return {o, lse};
+  const bool decode = q.size(1) <= kDecodeMaxSeqlenQ;
+  const int64_t d = q.size(-1), hd = decode ? (d + 7) / 8 * 8 : kernel_head_dim(d);
+  Output o(q, hd);
+  auto lse = lse_like(q, false);
+  if (q.numel() == 0) return {o.out, lse};
+  const auto qk = for_kernel(q, hd), kk = for_kernel(k_cache, hd), vk = for_kernel(v_cache, hd);
+  const c10::optional<at::Tensor> seqlens = cache_seqlens.contiguous(), alibi = contiguous(alibi_slopes);
   FwdParams p;
-  fill_common(p, q, k_cache, v_cache, o, lse, c10::nullopt, c10::nullopt, cache_seqlens, q.size(1), k_cache.size(1),
-              softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, 0.0, c10::nullopt);
+  fill_common(p, qk, kk, vk, o.kernel, lse, c10::nullopt, c10::nullopt, seqlens, q.size(1), k_cache.size(1),
+              softmax_scale, causal, window_left, window_right, softcap, alibi, 0.0, c10::nullopt);
+  at::Tensor leftpad;  // keeps a contiguous copy alive until the launch
   if (cache_leftpad.has_value()) {
-    TORCH_CHECK(cache_leftpad->is_cuda() && cache_leftpad->scalar_type() == at::kInt &&
-                    cache_leftpad->numel() == p.b && cache_leftpad->is_contiguous(),
-                "hf_flash: cache_leftpad must be a contiguous int32 CUDA vector of batch entries");
-    p.leftpad_k = cache_leftpad->data_ptr<int>();
+    TORCH_CHECK_TYPE(cache_leftpad->is_cuda() && cache_leftpad->scalar_type() == at::kInt &&
+                         cache_leftpad->numel() == p.b,
+                     "hf_flash: cache_leftpad must be an int32 CUDA vector of batch entries");
+    leftpad = cache_leftpad->contiguous();
+    p.leftpad_k = leftpad.data_ptr<int>();
   }
 #ifdef HF_FLASH_DISABLE_FORWARD
   TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_FORWARD=1");
 #else
   const auto stream = at::cuda::getCurrentCUDAStream();
-  if (p.seqlen_q > kDecodeMaxSeqlenQ) {
+  if (!decode) {
     C10_CUDA_CHECK(run_fwd(p, stream));
-    return {o, lse};
+    return {o.finish(), lse};
   }
   p.num_splits = num_splits > 0 ? int(std::min<int64_t>(num_splits, kDecodeMaxSplits)) : decode_num_splits(p);
   at::Tensor o_accum, lse_accum;  // fp32 partials, freed (stream-ordered) once the combine has read them
@@ -195,34 +253,43 @@ std::tuple<at::Tensor, at::Tensor> cuda_fwd_kvcache(
   }
   C10_CUDA_CHECK(run_decode(p, stream));
 #endif
-  return {o, lse};
+  return {o.finish(), lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_bwd(
+// hf_flash::bwd: attention backward from fwd's saved out and LSE (same arguments as fwd, led by dout):
+// (dq, dk, dv) like (q, k, v), GQA head groups summed into dk / dv.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const c10::optional<at::Tensor>& cu_seqlens_q, const c10::optional<at::Tensor>& cu_seqlens_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, double dropout_p,
     const c10::optional<at::Tensor>& rng_state, bool deterministic) {
   const bool varlen = cu_seqlens_q.has_value();
-  check_qkv(q, k, v, varlen, true);
-  check_arch();
-  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "hf_flash: dout and out must have q's shape");
-  check_rows(dout);
-  check_rows(out);
-  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous(), "hf_flash: lse must be contiguous float32");
+  check_qkv(q, k, v, varlen);
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "hf_flash: dout and out must have q's shape");
+  TORCH_CHECK_TYPE(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+                   "hf_flash: dout and out must have q's dtype");
+  TORCH_CHECK_TYPE(lse.scalar_type() == at::kFloat, "hf_flash: lse must be float32");
   c10::cuda::CUDAGuard guard(q.device());
-  auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-  if (q.numel() == 0 || k.numel() == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
+  const int64_t hd = kernel_head_dim(q.size(-1));
+  Output dq(q, hd), dk(k, hd), dv(v, hd);
+  if (q.numel() == 0 || k.numel() == 0) return {dq.out.zero_(), dk.out.zero_(), dv.out.zero_()};
+  const auto qk = for_kernel(q, hd), kk = for_kernel(k, hd), vk = for_kernel(v, hd);
+  const auto outk = for_kernel(out, hd), doutk = for_kernel(dout, hd), lsek = lse.contiguous();
+  // Locals: a copy must stay alive until the launch.
+  const auto cu_q = contiguous(cu_seqlens_q), cu_k = contiguous(cu_seqlens_k), alibi = contiguous(alibi_slopes);
   BwdParams p;
-  fill_common(p, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, c10::nullopt, max_seqlen_q, max_seqlen_k,
-              softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state);
+  fill_common(p, qk, kk, vk, outk, lsek, cu_q, cu_k, c10::nullopt, max_seqlen_q, max_seqlen_k, softmax_scale,
+              causal, window_left, window_right, softcap, alibi, dropout_p, rng_state);
   const int r = varlen ? 0 : 1;
-  p.dout = dout.data_ptr(); p.dq = dq.data_ptr(); p.dk = dk.data_ptr(); p.dv = dv.data_ptr();
-  p.do_batch_stride = varlen ? 0 : dout.stride(0); p.do_row_stride = dout.stride(r); p.do_head_stride = dout.stride(r + 1);
-  p.dq_batch_stride = varlen ? 0 : dq.stride(0); p.dq_row_stride = dq.stride(r); p.dq_head_stride = dq.stride(r + 1);
-  p.dk_batch_stride = varlen ? 0 : dk.stride(0); p.dk_row_stride = dk.stride(r); p.dk_head_stride = dk.stride(r + 1);
-  p.dv_batch_stride = varlen ? 0 : dv.stride(0); p.dv_row_stride = dv.stride(r); p.dv_head_stride = dv.stride(r + 1);
+  p.dout = doutk.data_ptr(); p.dq = dq.kernel.data_ptr(); p.dk = dk.kernel.data_ptr(); p.dv = dv.kernel.data_ptr();
+  const auto strides = [&](const at::Tensor& t, int64_t& batch, int64_t& row, int64_t& head) {
+    batch = varlen ? 0 : t.stride(0); row = t.stride(r); head = t.stride(r + 1);
+  };
+  strides(doutk, p.do_batch_stride, p.do_row_stride, p.do_head_stride);
+  strides(dq.kernel, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride);
+  strides(dk.kernel, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+  strides(dv.kernel, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
   p.deterministic = deterministic;
 #ifdef HF_FLASH_DISABLE_BACKWARD
   TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_BACKWARD=1");
@@ -231,28 +298,93 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_bwd(
   p.workspace = workspace.data_ptr();
   C10_CUDA_CHECK(run_bwd(p, at::cuda::getCurrentCUDAStream()));
 #endif
-  return {dq, dk, dv};
+  return {dq.finish(), dk.finish(), dv.finish()};
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// fwd under autograd: runs the op below the autograd key, saves what bwd needs, and calls the hf_flash::bwd op
+// in the backward (so torch.compile traces both as ops). The LSE is an output without a gradient.
+class FwdFunction : public torch::autograd::Function<FwdFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const c10::optional<at::Tensor>& cu_seqlens_q,
+                               const c10::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
+                               int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
+                               int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes,
+                               double dropout_p, const c10::optional<at::Tensor>& rng_state, bool deterministic) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hf_flash::fwd", "").typed<decltype(fwd_cuda)>();
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [out, lse] = op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                              window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic);
+    const auto or_undefined = [](const c10::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); };
+    ctx->save_for_backward({q, k, v, out, lse, or_undefined(cu_seqlens_q), or_undefined(cu_seqlens_k),
+                            or_undefined(alibi_slopes), or_undefined(rng_state)});
+    ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
+    ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
+    ctx->saved_data["softmax_scale"] = softmax_scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hf_flash::bwd", "").typed<decltype(bwd_cuda)>();
+    const auto s = ctx->get_saved_variables();
+    const auto optional = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+    const auto& d = ctx->saved_data;
+    auto [dq, dk, dv] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], optional(s[5]), optional(s[6]),
+                                d.at("max_seqlen_q").toInt(), d.at("max_seqlen_k").toInt(),
+                                d.at("softmax_scale").toDouble(), d.at("causal").toBool(),
+                                d.at("window_left").toInt(), d.at("window_right").toInt(), d.at("softcap").toDouble(),
+                                optional(s[7]), d.at("dropout_p").toDouble(), optional(s[8]),
+                                d.at("deterministic").toBool());
+    variable_list result(16);  // one entry per forward argument; only q, k, v get gradients
+    result[0] = dq; result[1] = dk; result[2] = dv;
+    return result;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> fwd_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& cu_seqlens_q,
+    const c10::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, double softcap,
+    const c10::optional<at::Tensor>& alibi_slopes, double dropout_p, const c10::optional<at::Tensor>& rng_state,
+    bool deterministic) {
+  auto r = FwdFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                              window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic);
+  return {r[0], r[1]};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(hf_flash, m) {
-  m.def("_cuda_fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, Tensor? seqused_k, "
-        "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, "
-        "float softcap, Tensor? alibi_slopes, float dropout_p, Tensor? rng_state) -> (Tensor, Tensor)");
-  m.def("_cuda_fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? cache_leftpad, "
-        "float softmax_scale, bool causal, int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
-        "int num_splits) -> (Tensor, Tensor)");
-  m.def("_cuda_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
+TORCH_LIBRARY(hf_flash, m) {
+  m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
+        "int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
+        "Tensor? alibi_slopes, float dropout_p, Tensor? rng_state, bool deterministic) -> (Tensor out, Tensor lse)");
+  m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
         "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
         "int window_left, int window_right, float softcap, Tensor? alibi_slopes, float dropout_p, "
-        "Tensor? rng_state, bool deterministic) -> (Tensor, Tensor, Tensor)");
+        "Tensor? rng_state, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? cache_leftpad, "
+        "float softmax_scale, bool causal, int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
+        "int num_splits) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(hf_flash, CUDA, m) {
-  m.impl("_cuda_fwd", &cuda_fwd);
-  m.impl("_cuda_fwd_kvcache", &cuda_fwd_kvcache);
-  m.impl("_cuda_bwd", &cuda_bwd);
+  m.impl("fwd", &fwd_cuda);
+  m.impl("bwd", &bwd_cuda);
+  m.impl("fwd_kvcache", &fwd_kvcache_cuda);
+}
+
+TORCH_LIBRARY_IMPL(hf_flash, Autograd, m) {
+  m.impl("fwd", &fwd_autograd);
 }
 
 }  // namespace hf_flash

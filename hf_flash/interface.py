@@ -52,12 +52,18 @@ def _check_qkv(q, k, v, dims: int) -> None:
         raise ValueError(f"number of query heads ({h}) must be a multiple of key/value heads ({hk})")
 
 
+def _checked_by_op(q) -> bool:
+    """On the kernel path the C++ op checks the tensors itself (ValueError / TypeError naming them), so the
+    eager call does no per-tensor Python work; the reference path is checked here."""
+    return isinstance(q, Tensor) and ops.uses_kernels(q)
+
+
 def _check_options(q, dropout_p, window_size, softcap, alibi_slopes, batch: int) -> tuple[int, int]:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if not (isinstance(window_size, (tuple, list)) and len(window_size) == 2):
         raise ValueError(f"window_size must be a (left, right) pair, got {window_size!r}")
-    wl, wr = (int(w) for w in window_size)
+    wl, wr = int(window_size[0]), int(window_size[1])
     if wl < -1 or wr < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
     if softcap < 0:
@@ -96,11 +102,11 @@ def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
-def _run(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, dropout_p, softmax_scale, causal, window, softcap,
-         alibi_slopes, deterministic, return_attn_probs):
-    out, lse = ops.fwd(q, k, v, cu_q, cu_k, seqused_k, max_q, max_k, _scale(q, softmax_scale), bool(causal),
-                       window[0], window[1], float(softcap), alibi_slopes, float(dropout_p),
-                       _rng_state(q, dropout_p), bool(deterministic))
+def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
+         deterministic, return_attn_probs):
+    out, lse = ops.run_fwd(q, k, v, cu_q, cu_k, max_q, max_k, _scale(q, softmax_scale), bool(causal), window[0],
+                           window[1], float(softcap), alibi_slopes, float(dropout_p), _rng_state(q, dropout_p),
+                           bool(deterministic))
     if return_attn_probs:
         return out, lse, None  # flash-attn's third value (the P matrix) is testing-only; never materialised
     return out
@@ -112,11 +118,12 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
                     return_attn_probs: bool = False):
     """Attention on ``(B, S, H, D)`` tensors. With ``return_attn_probs=True``
     returns ``(out, lse, None)``, lse being float32 ``(B, H, Sq)``."""
-    _check_qkv(q, k, v, 4)
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if not _checked_by_op(q):
+        _check_qkv(q, k, v, 4)
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, q.shape[0])
-    return _run(q, k, v, None, None, None, q.shape[1], k.shape[1], dropout_p, softmax_scale, causal, window,
+    return _run(q, k, v, None, None, q.shape[1], k.shape[1], dropout_p, softmax_scale, causal, window,
                 softcap, alibi_slopes, deterministic, return_attn_probs)
 
 
@@ -128,21 +135,22 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            return_attn_probs: bool = False, block_table: Optional[Tensor] = None):
     """Attention on packed ``(total_tokens, H, D)`` tensors; sequence ``b`` is
     rows ``cu_seqlens[b]:cu_seqlens[b+1]``. LSE is float32 ``(H, total_q)``."""
-    _check_qkv(q, k, v, 3)
     if block_table is not None:
         raise ValueError("block_table (paged KV cache) is not supported by hf_flash yet; pass contiguous k/v")
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
-                         f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    if not _checked_by_op(q):
+        _check_qkv(q, k, v, 3)
+        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
+                             f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, Tensor):
             value = int(value)
         if not isinstance(value, int) or value < 0:
             raise TypeError(f"{name} must be a non-negative int, got {value!r}")
     window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, cu_seqlens_q.numel() - 1)
-    return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, None, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
+    return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
                 softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs)
 
 

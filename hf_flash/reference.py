@@ -6,9 +6,9 @@ row sum ``l``, an unnormalised output rescaled once at the end, and the
 log-sum-exp saved for a backward that recomputes P from it. Math runs in
 float32 (float64 for float64 inputs); outputs come back in the input dtype.
 
-Every function takes the arguments of the ``hf_flash::fwd`` / ``hf_flash::bwd``
-ops (see ``hf_flash.ops``): dense ``(B, S, H, D)`` tensors, or varlen
-``(T, H, D)`` tensors with ``cu_seqlens_*``.
+``fwd``, ``bwd`` and ``fwd_kvcache`` take the arguments of the ``hf_flash::fwd`` / ``bwd`` / ``fwd_kvcache``
+ops (schemas in ``csrc/binding.cpp``): dense ``(B, S, H, D)`` tensors, or varlen ``(T, H, D)`` tensors with
+``cu_seqlens_*``.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class _Batch:
         acc = torch.zeros_like(self.q)
         for cols in self.blocks():
             s, _ = self.scores(cols)
-            m_new = torch.maximum(m, s.amax(-1))
+            m_new = torch.maximum(m, s.amax(-1).detach())  # a stabiliser: out and lse do not depend on it
             m_safe = torch.where(m_new == -math.inf, 0.0, m_new)  # fully masked so far: no NaN
             p = torch.exp(s - m_safe[..., None])
             alpha = torch.exp(m - m_safe)
@@ -216,9 +216,11 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args):
     return lq, lk, _Batch(lq.pad(q), lk.pad(k), lk.pad(v), len_q, len_k, args)
 
 
-def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-        window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state):
-    """Forward: returns out (like q) and lse (float32; (B, H, Sq) dense, (H, T) varlen)."""
+def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+        window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic=False, *, seqused_k=None):
+    """Forward: returns out (like q) and lse (float32; (B, H, Sq) dense, (H, T) varlen). Differentiable by
+    autograd (the dropout mask is a function of rng_state, so the backward sees the forward's). ``seqused_k``
+    (B,): valid keys per row of a KV cache (fwd_kvcache)."""
     args = (softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
     lq, _, batch = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args)
     out, lse = batch.forward()
@@ -233,19 +235,20 @@ def fwd_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale
     aligned to that row's key count. ``num_splits`` only steers the CUDA kernel."""
     end = cache_seqlens.long()
     start = torch.zeros_like(end) if cache_leftpad is None else cache_leftpad.long()
-    if not q.is_cuda:  # a static cache may be far longer than its valid rows; reading the end is cheap on CPU
+    if not q.is_cuda and not torch.compiler.is_compiling():  # a static cache may be far longer than its valid rows
         k_cache, v_cache = k_cache[:, :int(end.max())], v_cache[:, :int(end.max())]
     if cache_leftpad is not None:  # shift row b left by its leftpad, so its keys start at 0
         pos = (start[:, None] + torch.arange(k_cache.shape[1], device=q.device)).clamp(max=k_cache.shape[1] - 1)
         index = pos[:, :, None, None].expand(-1, -1, *k_cache.shape[2:])
         k_cache, v_cache = k_cache.gather(1, index), v_cache.gather(1, index)
-    return fwd(q, k_cache, v_cache, None, None, (end - start).clamp(min=0), q.shape[1], k_cache.shape[1],
-               softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, 0.0, None)
+    return fwd(q, k_cache, v_cache, None, None, q.shape[1], k_cache.shape[1], softmax_scale, causal, window_left,
+               window_right, softcap, alibi_slopes, 0.0, None, seqused_k=(end - start).clamp(min=0))
 
 
 def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-        window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state):
-    """Backward by recomputation from the saved LSE: returns dq, dk, dv."""
+        window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic=False):
+    """Backward by recomputation from the saved LSE, as the kernels do it: returns dq, dk, dv. The kernels'
+    twin in tests; the reference path itself differentiates fwd with autograd."""
     args = (softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
     lq, lk, batch = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, None, args)
     if cu_seqlens_q is not None:  # (H, T) -> (B, H, S)

@@ -28,19 +28,36 @@ def _fresh_seed():
     yield seed
 
 
+class _Counts(dict):
+    """kind -> count, read as ints (the values are tensors bumped in place)."""
+
+    def __getitem__(self, kind):
+        return int(super().__getitem__(kind))
+
+    def __eq__(self, other):
+        return {kind: self[kind] for kind in self} == other
+
+
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Counts hf_flash's forward/backward calls on the CPU path (hf_flash.reference),
-    so that a model silently running eager/sdpa math instead cannot pass a test."""
+    """Counts hf_flash's forward calls on the CPU path (hf_flash.reference.fwd) and the backward passes through
+    their outputs (autograd differentiates the reference; a hook on each output counts), so that a model silently
+    running eager/sdpa math instead cannot pass a test. The counters are tensors bumped in place: under
+    torch.compile the bump is part of the graph, so compiled steps count too (and cause no recompiles)."""
     import hf_flash.reference
 
-    calls = {"fwd": 0, "bwd": 0}
-    for kind in calls:
-        original = getattr(hf_flash.reference, kind)
+    calls = _Counts(fwd=torch.zeros((), dtype=torch.int64), bwd=torch.zeros((), dtype=torch.int64))
+    original = hf_flash.reference.fwd
 
-        def spy(*args, _kind=kind, _original=original, **kwargs):
-            calls[_kind] += 1
-            return _original(*args, **kwargs)
+    def count_bwd(grad):
+        dict.__getitem__(calls, "bwd").add_(1)
 
-        monkeypatch.setattr(hf_flash.reference, kind, spy)
+    def spy(*args, **kwargs):
+        dict.__getitem__(calls, "fwd").add_(1)
+        out, lse = original(*args, **kwargs)
+        if out.requires_grad:
+            out.register_hook(count_bwd)
+        return out, lse
+
+    monkeypatch.setattr(hf_flash.reference, "fwd", spy)
     return calls

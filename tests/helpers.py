@@ -49,7 +49,7 @@ def check_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=No
     pt = naive_attention(q, k, v, **kw)
     assert_close(out, ref, pt)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    _, lse_ref = reference.fwd(q.float(), k.float(), v.float(), None, None, None, q.shape[1], k.shape[1], scale,
+    _, lse_ref = reference.fwd(q.float(), k.float(), v.float(), None, None, q.shape[1], k.shape[1], scale,
                                causal, window[0], window[1], softcap, alibi, 0.0, None)
     assert_lse(lse, lse_ref)
     return out, lse

@@ -1,4 +1,4 @@
-"""The public API: argument checking, op registration (opcheck), torch.compile."""
+"""The public API: argument checking, the CPU path under torch.compile (the ops: tests/test_kernels_*.py)."""
 
 import inspect
 import random
@@ -157,27 +157,6 @@ def test_kvcache_bad_lengths_raise_clear_errors(kwargs, error, message):
         flash_attn_with_kvcache(q, k, v, **kwargs)
 
 
-@pytest.mark.parametrize("d,decode_d,kernel_d", [(80, 80, 96), (40, 40, 64), (20, 24, 32), (128, 128, 128)])
-def test_kernel_layout_reads_kv_cache_in_place(d, decode_d, kernel_d):
-    """The decode kernel reads any multiple-of-8 head dim in place (no per-step copy of a d80 KV cache); the
-    forward and backward kernels get a compiled head dim (zero padding)."""
-    from hf_flash.ops import _for_kernel
-
-    cache = torch.randn(2, 64, 4, d, dtype=torch.bfloat16)
-    decode = _for_kernel(cache, exact_head_dim=False)
-    assert decode.shape[-1] == decode_d and (decode.data_ptr() == cache.data_ptr()) == (decode_d == d)
-    exact = _for_kernel(cache, exact_head_dim=True)
-    assert exact.shape[-1] == kernel_d and torch.equal(exact[..., :d], cache)
-    assert not exact[..., d:].any()
-
-
-def test_kvcache_fwd_op_opcheck():
-    q, k, v = qkv(b=2, sq=3, sk=11, h=4, hk=2, d=16)
-    args = (q, k, v, torch.tensor([11, 6], dtype=torch.int32), torch.tensor([2, 0], dtype=torch.int32), 0.25, True,
-            -1, -1, 0.0, None, 0)
-    torch.library.opcheck(torch.ops.hf_flash.fwd_kvcache.default, args)
-
-
 def test_kvcache_compile_fullgraph():
     q, k, v = qkv(b=2, sq=1, sk=16, h=4, hk=2, d=16)
     seqlens, leftpad = torch.tensor([16, 9], dtype=torch.int32), torch.tensor([3, 0], dtype=torch.int32)
@@ -189,28 +168,9 @@ def test_kvcache_compile_fullgraph():
     torch.testing.assert_close(compiled(q, k, v, seqlens, leftpad), step(q, k, v, seqlens, leftpad))
 
 
-def _op_args(q, k, v, dropout_p=0.0):
-    rng = torch.randint(0, 2**62, (2,)) if dropout_p else None
-    return (q, k, v, None, None, None, q.shape[1], k.shape[1], q.shape[-1] ** -0.5, True, -1, -1, 0.0, None,
-            dropout_p, rng, False)
-
-
-@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
-def test_opcheck_fwd(dropout_p):
-    q, k, v = (t.requires_grad_() for t in qkv(b=1, sq=5, sk=9, h=4, hk=2, d=16))
-    torch.library.opcheck(torch.ops.hf_flash.fwd.default, _op_args(q, k, v, dropout_p))
-
-
-def test_opcheck_bwd():
-    q, k, v = qkv(b=1, sq=5, sk=9, h=4, hk=2, d=16)
-    out, lse = torch.ops.hf_flash.fwd(*_op_args(q, k, v))
-    args = (torch.randn_like(out), q, k, v, out, lse, None, None, 5, 9, 0.25, True, -1, -1, 0.0, None, 0.0, None,
-            False)
-    torch.library.opcheck(torch.ops.hf_flash.bwd.default, args)
-
-
 def test_compile_fullgraph_forward_and_backward():
-    """Our ops are opaque to dynamo: no graph break, and autograd flows through them."""
+    """The CPU path (the reference, plain torch code) compiles without graph breaks, forward and backward.
+    The ops on the GPU: tests/test_kernels_*.py."""
     q, k, v = (t.requires_grad_() for t in qkv(b=1, sq=12, sk=12, h=4, hk=2, d=16))
 
     def step(q, k, v):

@@ -61,7 +61,7 @@ def _dense_case(b, sq, sk, h, hk, d, dtype, causal, window, softcap, alibi, drop
     rng = torch.tensor([1234567, 89], dtype=torch.int64, device="cuda") if dropout_p > 0 else None
     f32 = [t.float() for t in (q, k, v)]
     opts = (scale, causal, window[0], window[1], softcap, slopes, dropout_p, rng)
-    out32, lse = reference.fwd(*f32, None, None, None, sq, sk, *opts)
+    out32, lse = reference.fwd(*f32, None, None, sq, sk, *opts)
     ref = reference.bwd(dout.float(), *f32, out32, lse, None, None, sq, sk, *opts)
     ours = torch.ops.hf_flash.bwd(dout, q, k, v, out32.to(dtype), lse, None, None, sq, sk, *opts, deterministic)
     keep = None
@@ -105,7 +105,7 @@ def test_grads_varlen(d, causal, hk):
     opts = (d**-0.5, causal, -1, -1, 0.0, None, 0.0, None)
     f32 = [t.float() for t in (q, k, v)]
     mq, mk = max(lens_q), max(lens_k)
-    out32, lse = reference.fwd(*f32, cu_q, cu_k, None, mq, mk, *opts)
+    out32, lse = reference.fwd(*f32, cu_q, cu_k, mq, mk, *opts)
     ref = reference.bwd(dout.float(), *f32, out32, lse, cu_q, cu_k, mq, mk, *opts)
     ours = torch.ops.hf_flash.bwd(dout, q, k, v, out32.to(dtype), lse, cu_q, cu_k, mq, mk, *opts, False)
     same = [[], [], []]
@@ -120,7 +120,7 @@ def test_grads_varlen(d, causal, hk):
 def _bwd_args(b=2, s=2048, h=16, hk=8, d=128, causal=True):
     q, k, v = _inputs((b, s, h, d), (b, s, hk, d), torch.bfloat16)
     dout = torch.randn_like(q)
-    out, lse = reference.fwd(q, k, v, None, None, None, s, s, d**-0.5, causal, -1, -1, 0.0, None, 0.0, None)
+    out, lse = reference.fwd(q, k, v, None, None, s, s, d**-0.5, causal, -1, -1, 0.0, None, 0.0, None)
     return (dout, q, k, v, out, lse, None, None, s, s, d**-0.5, causal, -1, 0 if causal else -1, 0.0, None, 0.0,
             None)
 
@@ -128,23 +128,23 @@ def _bwd_args(b=2, s=2048, h=16, hk=8, d=128, causal=True):
 def test_deterministic():
     """50 runs, bitwise equal; 16 key blocks over 8 dQ copies, so lanes walk 2 blocks each."""
     args = _bwd_args()
-    first = torch.ops.hf_flash._cuda_bwd(*args, True)
+    first = torch.ops.hf_flash.bwd(*args, True)
     for _ in range(49):
-        again = torch.ops.hf_flash._cuda_bwd(*args, True)
+        again = torch.ops.hf_flash.bwd(*args, True)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
-    fast = torch.ops.hf_flash._cuda_bwd(*args, False)
+    fast = torch.ops.hf_flash.bwd(*args, False)
     for a, b in zip(first, fast):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
 def test_opcheck():
-    torch.library.opcheck(torch.ops.hf_flash._cuda_bwd.default, (*_bwd_args(1, 129, 4, 2, 64), False))
+    torch.library.opcheck(torch.ops.hf_flash.bwd.default, (*_bwd_args(1, 129, 4, 2, 64), False))
 
 
 def _forward_built() -> bool:
     q = torch.randn(1, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
     try:
-        torch.ops.hf_flash._cuda_fwd(q, q, q, None, None, None, 8, 8, 0.125, False, -1, -1, 0.0, None, 0.0, None)
+        torch.ops.hf_flash.fwd(q, q, q, None, None, 8, 8, 0.125, False, -1, -1, 0.0, None, 0.0, None, False)
     except RuntimeError:
         return False
     return True
@@ -182,7 +182,7 @@ def test_grads_long(d, dtype, case):
 
 def _bwd_kernel_names(args):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.ops.hf_flash._cuda_bwd(*args, False)
+        torch.ops.hf_flash.bwd(*args, False)
         torch.cuda.synchronize()
     return {e.key for e in prof.key_averages()}
 

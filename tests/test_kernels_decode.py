@@ -201,9 +201,25 @@ def test_compile_fullgraph():
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def test_opcheck_cuda_fwd_kvcache():
+def test_opcheck_fwd_kvcache():
     q, k_cache, v_cache, _, _, seqlens, leftpad = _decode_inputs(s_cache=512)
     seqlens = torch.tensor([300, 512], dtype=torch.int32, device="cuda")
     args = (q, k_cache, v_cache, seqlens, leftpad, 0.088, True, -1, -1, 0.0, None, 0)
-    torch.library.opcheck(torch.ops.hf_flash._cuda_fwd_kvcache.default, args)
     torch.library.opcheck(torch.ops.hf_flash.fwd_kvcache.default, args)
+
+
+@pytest.mark.parametrize("d", [80, 128])
+def test_decode_reads_the_kv_cache_in_place(d):
+    """A decode step allocates nothing of the cache's size: any multiple-of-8 head dim (here d80, run by the
+    d96 kernel) is read in place, never padded or copied."""
+    b, s_cache, hk = 2, 8192, 4
+    k_cache, v_cache = (torch.randn(b, hk, s_cache, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                        for _ in range(2))
+    q = torch.randn(b, 1, 8, d, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor([s_cache, 100], dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    torch.ops.hf_flash.fwd_kvcache(q, k_cache, v_cache, seqlens, None, d**-0.5, True, -1, -1, 0.0, None, 0)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < k_cache.numel() * k_cache.element_size() // 4

@@ -112,8 +112,8 @@ def test_varlen(dtype, d, causal, same_lengths):
                                          return_attn_probs=True)
     assert lse.shape == (h, sum(lens_q))
     scale = d**-0.5
-    _, lse_ref = reference.fwd(q.float(), k.float(), v.float(), cu_q, cu_k, None, max(lens_q), max(lens_k), scale,
-                               causal, -1, -1, 0.0, None, 0.0, None)
+    _, lse_ref = reference.fwd(q.float(), k.float(), v.float(), cu_q, cu_k, max(lens_q), max(lens_k), scale, causal,
+                               -1, -1, 0.0, None, 0.0, None)
     assert_lse(lse, lse_ref)
     oq, ok = cu_q.tolist(), cu_k.tolist()
     for i in range(len(lens_q)):
@@ -168,7 +168,7 @@ def test_dropout(dtype, d, causal, sq, sk):
     rng_state = torch.tensor([torch.randint(0, 2**62, ()).item(), torch.randint(0, 2**40, ()).item()],
                              dtype=torch.int64, device="cuda")
     scale = d**-0.5
-    args = (None, None, None, sq, sk, scale, causal, -1, -1, 0.0, None, p, rng_state)
+    args = (None, None, sq, sk, scale, causal, -1, -1, 0.0, None, p, rng_state)
     out, lse = torch.ops.hf_flash.fwd(q, k, v, *args, False)
     keep = torch.stack([reference.dropout_keep(rng_state, i, h, torch.arange(sq, device="cuda"),
                                                torch.arange(sk, device="cuda"), p) for i in range(b)])
@@ -181,17 +181,37 @@ def test_dropout(dtype, d, causal, sq, sk):
 # ---- torch integration ----------------------------------------------------------------------
 
 
-def _op_args(dtype=torch.bfloat16):
-    q, k, v = randn(2, 77, 4, 64, dtype=dtype), randn(2, 130, 2, 64, dtype=dtype), randn(2, 130, 2, 64, dtype=dtype)
-    return (q, k, v, None, None, None, 77, 130, 0.125, True, -1, -1, 0.0, None, 0.0, None)
+def _op_args(d=64, dropout_p=0.0, requires_grad=False, dtype=torch.bfloat16):
+    q, k, v = randn(2, 77, 4, d, dtype=dtype), randn(2, 130, 2, d, dtype=dtype), randn(2, 130, 2, d, dtype=dtype)
+    rng_state = torch.randint(0, 2**62, (2,), device="cuda") if dropout_p else None
+    q, k, v = (t.requires_grad_(requires_grad) for t in (q, k, v))
+    return (q, k, v, None, None, 77, 130, 0.125, True, -1, -1, 0.0, None, dropout_p, rng_state, False)
 
 
-def test_opcheck_cuda_fwd():
-    torch.library.opcheck(torch.ops.hf_flash._cuda_fwd.default, _op_args())
+@pytest.mark.parametrize("d", [64, 80])  # 80: zero-padded to the d96 kernel inside the op
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_fwd(d, dropout_p, requires_grad):
+    torch.library.opcheck(torch.ops.hf_flash.fwd.default, _op_args(d, dropout_p, requires_grad))
 
 
-def test_opcheck_fwd():
-    torch.library.opcheck(torch.ops.hf_flash.fwd.default, (*_op_args(), False))
+def test_opcheck_fwd_varlen():
+    q, k, v = (randn(50, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32, device="cuda")
+    args = (q, k, v, cu, cu, 30, 30, 0.125, True, -1, -1, 0.0, None, 0.0, None, False)
+    torch.library.opcheck(torch.ops.hf_flash.fwd.default, args)
+
+
+def test_strided_and_padded_inputs_give_outputs_like_the_inputs():
+    """Outputs are laid out like q (as the fake implementation says) whatever copies the kernels needed."""
+    base = randn(2, 4, 77, 80, dtype=torch.bfloat16)
+    q = base.transpose(1, 2)  # (B, S, H, D) view of a (B, H, S, D) tensor; d80 runs the d96 kernel
+    out, lse = torch.ops.hf_flash.fwd(q, q, q, None, None, 77, 77, 0.125, True, -1, -1, 0.0, None, 0.0, None, False)
+    assert out.stride() == torch.empty_like(q).stride()
+    ref, ref_lse = reference.fwd(*(t.float() for t in (q, q, q)), None, None, 77, 77, 0.125, True, -1, -1, 0.0,
+                                 None, 0.0, None)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    assert_lse(lse, ref_lse)
 
 
 def test_compile_fullgraph():
@@ -199,3 +219,18 @@ def test_compile_fullgraph():
         randn(2, 300, 4, 128, dtype=torch.bfloat16)
     compiled = torch.compile(flash_attn_func, fullgraph=True)
     torch.testing.assert_close(compiled(q, k, v, causal=True), flash_attn_func(q, k, v, causal=True), atol=0, rtol=0)
+
+
+def test_bad_inputs_raise_clear_errors_on_the_kernel_path():
+    """The C++ op checks the tensors itself (the eager path does no per-tensor Python work)."""
+    q = randn(2, 8, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="share a dtype"):
+        flash_attn_func(q, q.float(), q.float())
+    with pytest.raises(ValueError, match="same batch size"):
+        flash_attn_func(q, q[:1], q[:1])
+    with pytest.raises(ValueError, match="head dims"):
+        flash_attn_func(q, q[..., :32], q[..., :32])
+    with pytest.raises(ValueError, match="one device"):
+        flash_attn_func(q, q.cpu(), q.cpu())
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flash_attn_func(q, q, q, alibi_slopes=torch.ones(3, device="cuda"))

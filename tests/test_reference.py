@@ -137,7 +137,7 @@ def test_dropout_mask_is_reproducible_and_exact():
     b, sq, sk, h, hk, d, p = 2, 37, 70, 4, 2, 16, 0.3
     q, k, v = rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
     rng = torch.randint(0, 2**62, (2,))
-    args = (None, None, None, sq, sk, 0.25, True, -1, -1, 0.0, None, p, rng)
+    args = (None, None, sq, sk, 0.25, True, -1, -1, 0.0, None, p, rng)
     out, lse = reference.fwd(q, k, v, *args)
     keep = torch.stack([reference.dropout_keep(rng, i, h, torch.arange(sq), torch.arange(sk), p) for i in range(b)])
     assert abs(keep.double().mean().item() - (1 - p)) < 0.02
@@ -145,8 +145,10 @@ def test_dropout_mask_is_reproducible_and_exact():
     assert_close(out, ref, 1e-10, "dropout out")
     dout = torch.randn_like(out)
     ours = reference.bwd(dout, q, k, v, out, lse, None, None, sq, sk, 0.25, True, -1, -1, 0.0, None, p, rng)
-    for name, g, gr in zip("qkv", ours, grads(ref, (q, k, v), dout)):
+    autograd = grads(out, (q, k, v), dout)  # the reference path: autograd sees the forward's mask
+    for name, g, ga, gr in zip("qkv", ours, autograd, grads(ref, (q, k, v), dout)):
         assert_close(g, gr, 2e-5 * max(1.0, gr.abs().max().item()), f"dropout d{name}")
+        assert_close(ga, gr, 1e-10 * max(1.0, gr.abs().max().item()), f"dropout d{name} (autograd)")
     other = reference.dropout_keep(rng + torch.tensor([0, 1]), 0, h, torch.arange(sq), torch.arange(sk), p)
     assert not torch.equal(other, keep[0]), "a new offset must draw a new mask"
 

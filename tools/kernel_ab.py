@@ -35,9 +35,9 @@ def case(b, s, h, hk, d, causal):
             with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk)
 
-        return lambda: torch.ops.hf_flash.fwd(q, k, v, None, None, None, s, s, *opts, False), cudnn, [q, k, v]
+        return lambda: torch.ops.hf_flash.fwd(q, k, v, None, None, s, s, *opts, False), cudnn, [q, k, v]
     dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-    out, lse = torch.ops.hf_flash.fwd(q, k, v, None, None, None, s, s, *opts, False)
+    out, lse = torch.ops.hf_flash.fwd(q, k, v, None, None, s, s, *opts, False)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk)
     return (lambda: torch.ops.hf_flash.bwd(dout, q, k, v, out, lse, None, None, s, s, *opts, False),
