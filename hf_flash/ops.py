@@ -13,15 +13,13 @@ opaque to ``torch.compile`` (no graph breaks) and safe under CUDA graphs.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import logging
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import reference
+from . import _build, reference
 
 logger = logging.getLogger("hf_flash")
 
@@ -34,14 +32,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 @functools.lru_cache(maxsize=None)
 def extension_status() -> tuple[bool, str]:
-    """(loaded, detail) for the compiled CUDA extension hf_flash._C."""
-    if importlib.util.find_spec("hf_flash._C") is None:
-        return False, "CUDA extension not built (install on a machine with CUDA torch and nvcc)"
-    try:
-        importlib.import_module("hf_flash._C")  # registers the hf_flash::_cuda_* ops
-    except ImportError as e:
-        return False, f"CUDA extension failed to load: {e}"
-    return True, "CUDA extension loaded"
+    """(loaded, detail) for the CUDA extension, built on first use (hf_flash._build)."""
+    return _build.load_extension()  # registers the hf_flash::_cuda_* ops
 
 
 def kernel_head_dim(d: int) -> Optional[int]:
