@@ -32,8 +32,11 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 @functools.lru_cache(maxsize=None)
 def extension_status() -> tuple[bool, str]:
-    """(loaded, detail) for the CUDA extension, built on first use (hf_flash._build)."""
-    return _build.load_extension()  # registers the hf_flash::_cuda_* ops
+    """(loaded, detail) for the CUDA extension, built on first use (hf_flash._build): the first CUDA tensor."""
+    loaded, detail = _build.load_extension()  # registers the hf_flash::_cuda_* ops
+    if loaded:
+        _register_cuda_fakes()
+    return loaded, detail
 
 
 def kernel_head_dim(d: int) -> Optional[int]:
@@ -190,9 +193,6 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def _register_cuda_fakes() -> None:
     """Fake implementations of the compiled ops, so opcheck and compile can trace them."""
-    if not extension_status()[0]:
-        return
-
     @torch.library.register_fake("hf_flash::_cuda_fwd")
     def _(q, k, v, cu_seqlens_q, *rest):
         return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
@@ -202,6 +202,3 @@ def _register_cuda_fakes() -> None:
     @torch.library.register_fake("hf_flash::_cuda_bwd")
     def _(dout, q, k, v, *rest):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-_register_cuda_fakes()
