@@ -14,12 +14,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 [ -e hf_flash/patches ] || ln -s ../patches hf_flash/patches
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/log"
 start=$(date +%s)
-if ! python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+if ! python3 -m hf_flash build >"$OUT/build.log" 2>&1; then
   echo "full build failed, building without the forward" | tee -a "$OUT/log"
-  HF_FLASH_DISABLE_FORWARD=1 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  export HF_FLASH_DISABLE_FORWARD=1  # at run time too: it is part of the build's cache key
+  python3 -m hf_flash build >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 fi
 echo "build $(( $(date +%s) - start )) s" | tee -a "$OUT/log"
-so=$(ls hf_flash/_C*.so | head -1)
+so=$(tail -1 "$OUT/build.log")  # python -m hf_flash build prints the library's path last
 if [ "${SASS:-0}" = 1 ]; then
   cuobjdump -res-usage "$so" 2>/dev/null | grep -A1 "main_kernel" | grep -oE "Function [^ ]+|REG:[0-9]+|STACK:[0-9]+|SHARED:[0-9]+|LOCAL:[0-9]+" | paste - - - - - >"$OUT/sass.txt"
   for f in $(cuobjdump -sass "$so" | grep -oE "Function : \S*main_kernel\S*" | awk '{print $3}'); do

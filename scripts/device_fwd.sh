@@ -18,7 +18,8 @@ if [[ " $STAGES " == *" tune "* && -x out/fwd_tune ]]; then
   (out/fwd_tune > "$OUT/tune.log" 2>&1 &)
 fi
 start=$(date +%s)
-HF_FLASH_DISABLE_BACKWARD=1 MAX_JOBS=16 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || {
+export HF_FLASH_DISABLE_BACKWARD=1  # at run time too: it is part of the build's cache key
+python3 -m hf_flash build > "$OUT/build.log" 2>&1 || {
   tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 while pgrep -x fwd_tune > /dev/null; do sleep 2; done
