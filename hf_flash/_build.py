@@ -41,7 +41,7 @@ NAME = "hf_flash_C"  # the library file is <cache dir>/hf_flash_C.so
 # Kernel families: HF_FLASH_DISABLE_<name>=1 leaves out csrc/<folder>/**/*.cu of its folders and
 # defines HF_FLASH_DISABLE_<name>. csrc/*.cpp and csrc/*.cu are always compiled.
 FAMILIES = {"FORWARD": ("fwd", "fwd_sm90", "decode"), "BACKWARD": ("bwd", "bwd_sm90")}
-CXX_FLAGS = ("-O3", "-std=c++17")
+CXX_FLAGS = ("-O3",)  # no -std: torch passes the one its headers need (C++20 from torch 2.14)
 NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
               # torch's defaults define the __CUDA_NO_HALF/BFLOAT16_* macros; the kernels use those operators
               "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
@@ -231,7 +231,7 @@ def build(spec: Spec, archs: Sequence[str]) -> Path:
             cpp_extension.load(name=NAME, sources=[str(p) for p in spec.sources], extra_cflags=spec.cxx_flags,
                                extra_cuda_cflags=spec.nvcc_flags + gencode_flags(archs),
                                extra_include_paths=[str(spec.root)], build_directory=str(directory),
-                               is_python_module=False, verbose=False)
+                               with_cuda=True, is_python_module=False, verbose=False)
         except Exception as e:  # ninja's output is in the message
             (directory / "build.log").write_text(str(e))
             raise BuildError(f"CUDA extension build failed ({type(e).__name__}); log: {directory / 'build.log'}") from e
