@@ -1,4 +1,4 @@
-"""Command line: ``python -m hf_flash {env,demo}`` (and ``python -m hf_flash.bench``)."""
+"""Command line: ``python -m hf_flash {env,build,coverage,demo}`` (and ``python -m hf_flash.bench``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ USAGE = """usage: python -m hf_flash COMMAND [options]
 
 commands:
   env    versions, GPU, and which attention path runs (and why)
+  build  build the CUDA kernels now (else done on first use; HF_FLASH_CUDA_ARCHS="80;90a" builds without a GPU)
   coverage  run every transformers text model type on hf_flash vs eager (--markdown, --only TYPE...)
   demo   fine-tune a small Llama with Trainer on hf_flash, generate, compare perplexity with sdpa
 """
@@ -24,6 +25,10 @@ def main(argv=None) -> int:
 
         print(hf_flash.env_report())
         return 0
+    if command == "build":
+        from hf_flash._build import build_main
+
+        return build_main(rest)
     if command == "coverage":
         from hf_flash.coverage import main as coverage
 

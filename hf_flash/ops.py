@@ -12,13 +12,11 @@ differentiable torch code that needs no op registration; ``backend_for`` says wh
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import logging
 import torch
 from torch import Tensor
 
-from . import reference
+from . import _build, reference
 
 logger = logging.getLogger("hf_flash")
 
@@ -30,14 +28,11 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 @functools.lru_cache(maxsize=None)
 def extension_status() -> tuple[bool, str]:
-    """(loaded, detail) for the compiled CUDA extension hf_flash._C."""
-    if importlib.util.find_spec("hf_flash._C") is None:
-        return False, "CUDA extension not built (install on a machine with CUDA torch and nvcc)"
-    try:
-        importlib.import_module("hf_flash._C")  # registers the hf_flash::_cuda_* ops
-    except ImportError as e:
-        return False, f"CUDA extension failed to load: {e}"
-    return True, "CUDA extension loaded"
+    """(loaded, detail) for the CUDA extension, built on first use (hf_flash._build): the first CUDA tensor."""
+    loaded, detail = _build.load_extension()  # registers the hf_flash::fwd / bwd / fwd_kvcache ops
+    if loaded:
+        _register_fakes()
+    return loaded, detail
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,9 +93,6 @@ def run_fwd_kvcache(*args) -> tuple[Tensor, Tensor]:
 
 def _register_fakes() -> None:
     """Output shapes and strides of the C++ ops (outputs like their inputs, LSE float32), for compile and opcheck."""
-    if not extension_status()[0]:
-        return
-
     @torch.library.register_fake("hf_flash::fwd")
     def _(q, k, v, cu_seqlens_q, *rest):
         return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
@@ -113,5 +105,3 @@ def _register_fakes() -> None:
     def _(q, *rest):
         return torch.empty_like(q), q.new_empty(_lse_shape(q, False), dtype=torch.float32)
 
-
-_register_fakes()

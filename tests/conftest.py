@@ -12,7 +12,7 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run only with a CUDA GPU and the compiled extension."""
     if kernels_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU and the compiled hf_flash._C extension")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and the CUDA extension (hf_flash/_build.py)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -40,11 +40,11 @@ def test_every_patch_module_is_in_the_table():
 
 
 def test_packaging_lists_every_subpackage():
-    """pyproject lists packages explicitly (patches/ is mapped to hf_flash.patches)."""
+    """pyproject lists packages explicitly (patches/ and csrc/ are mapped to hf_flash.patches and hf_flash.csrc)."""
     text = (ROOT / "pyproject.toml").read_text()
     listed = set(re.search(r"^packages = \[(.*)\]", text, re.M).group(1).replace('"', "").replace(" ", "").split(","))
     found = {"hf_flash"} | {f"hf_flash.{p.parent.name}" for p in (ROOT / "hf_flash").glob("*/__init__.py")}
-    assert found | {"hf_flash.patches"} == listed
+    assert found | {"hf_flash.patches", "hf_flash.csrc"} == listed
     assert hf_flash.patches.__file__ == str(ROOT / "patches" / "__init__.py") or "site-packages" in hf_flash.patches.__file__
 
 

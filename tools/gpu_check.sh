@@ -21,8 +21,8 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if has build; then
   start=$SECONDS
-  MAX_JOBS=16 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-  echo "build: $((SECONDS - start)) s"
+  python3 -m hf_flash build > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  echo "build: $((SECONDS - start)) s"; grep "^slowest" "$OUT/build.log"
 fi
 python3 -m hf_flash env | tee "$OUT/env.txt"
 if has test; then

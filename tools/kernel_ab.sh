@@ -15,9 +15,11 @@ start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 # This checkout builds (and links hf_flash/patches) through tools/gpu_check.sh; the variants are other
 # checkouts, possibly older than it, so they build with setup.py and get the link here.
 (STAGES=build OUT="$OUT/new" bash tools/gpu_check.sh > "$OUT/build_new.log" 2>&1; echo "new rc=$?" > "$OUT/new.rc") &
+# variants may be older checkouts: those with a setup.py build with it
+build() { if [ -f setup.py ]; then python3 setup.py build_ext --inplace; else python3 -m hf_flash build; fi; }
 for v in $VARIANTS; do
   ln -sfn ../patches ".wt/$v/hf_flash/patches"
-  (cd ".wt/$v" && MAX_JOBS=6 python3 setup.py build_ext --inplace > "$OUT/build_$v.log" 2>&1; echo "$v rc=$?" > "$OUT/$v.rc") &
+  (cd ".wt/$v" && MAX_JOBS=6 build > "$OUT/build_$v.log" 2>&1; echo "$v rc=$?" > "$OUT/$v.rc") &
 done
 wait; stamp "built: $(cat "$OUT"/*.rc | tr '\n' ' ')"
 PYTHONPATH=$ROOT timeout 240 python3 -m pytest -q -x -p no:cacheprovider --tb=short -m gpu $TESTS \
