@@ -141,9 +141,9 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kMTiles][Tr::kDTiles][4],
 // Keys of `batch` as (first row, count). A KV cache (seqused_k) holds rows [leftpad_k, seqused_k) of
 // its seqlen_k, clamped to them.
 __device__ __forceinline__ int2 key_range(const FwdParams& p, int batch) {
-  const bool varlen = p.cu_seqlens_k != nullptr;
-  const int start = varlen ? p.cu_seqlens_k[batch] : 0;
-  if (!p.seqused_k) return make_int2(start, varlen ? p.cu_seqlens_k[batch + 1] - start : p.seqlen_k);
+  const int2 rows = seq_rows(p.cu_seqlens_k, batch, p.total_k, p.seqlen_k);
+  const int start = rows.x;
+  if (!p.seqused_k) return rows;
   const int end = max(0, min(p.seqused_k[batch], p.seqlen_k));
   const int leftpad = p.leftpad_k ? min(max(p.leftpad_k[batch], 0), end) : 0;
   return make_int2(start + leftpad, end - leftpad);
@@ -268,9 +268,8 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
   // ---- this CTA's problem --------------------------------------------------------
   const int m_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first
   const int head = blockIdx.y, batch = blockIdx.z;
-  const bool varlen = p.cu_seqlens_q != nullptr;
-  const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
-  const int seqlen_q = varlen ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
+  const int2 rows_q = seq_rows(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
+  const int q_start = rows_q.x, seqlen_q = rows_q.y;
   const int2 keys = key_range(p, batch);
   const int k_start = keys.x, seqlen_k = keys.y;
   const int m0 = m_block * kBlockM;
