@@ -3,7 +3,8 @@
 On CPU the reference path runs a small budget (HF_FLASH_FUZZ_EXAMPLES valid cases, default 45, and a third as
 many bad inputs); on a GPU the kernels run HF_FLASH_FUZZ_GPU_EXAMPLES cases (default 2000). A failure prints the
 hypothesis example and a ``run_case(Case(...))`` line that reproduces it; paste the Case into
-``fuzz_cases.REGRESSIONS``. Hypothesis' database is off, so every run explores new cases.
+``fuzz_cases.REGRESSIONS``. Hypothesis' database is off, so every run explores new cases; GPU failures are
+not shrunk unless HF_FLASH_FUZZ_SHRINK=1.
 """
 
 import os
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from fuzz_cases import CPU, GPU, REGRESSIONS, HypothesisSource, draw_bad_case, draw_case, run_bad_case, run_case  # noqa: E402
@@ -21,9 +22,14 @@ CPU_EXAMPLES = int(os.environ.get("HF_FLASH_FUZZ_EXAMPLES", "45"))
 GPU_EXAMPLES = int(os.environ.get("HF_FLASH_FUZZ_GPU_EXAMPLES", "2000"))
 
 
-def _settings(examples: int):
+def _settings(examples: int, shrink: bool = True):
+    phases = [p for p in Phase if shrink or p not in (Phase.shrink, Phase.explain)]
     return settings(max_examples=max(1, examples), deadline=None, database=None, derandomize=False,
-                    print_blob=True, suppress_health_check=list(HealthCheck))
+                    print_blob=True, phases=phases, suppress_health_check=list(HealthCheck))
+
+
+# Shrinking a GPU failure reruns kernels many times; the failing Case is printed either way.
+GPU_SHRINK = os.environ.get("HF_FLASH_FUZZ_SHRINK", "0") == "1"
 
 
 cpu_cases = st.composite(lambda draw: draw_case(HypothesisSource(draw), CPU))()
@@ -56,14 +62,14 @@ def test_fuzz_regressions_kernels(case):
 
 
 @pytest.mark.gpu
-@_settings(GPU_EXAMPLES)
+@_settings(GPU_EXAMPLES, GPU_SHRINK)
 @given(case=gpu_cases)
 def test_fuzz_kernels(case):
     run_case(case, "cuda")
 
 
 @pytest.mark.gpu
-@_settings(max(1, GPU_EXAMPLES // 10))
+@_settings(max(1, GPU_EXAMPLES // 10), GPU_SHRINK)
 @given(case=gpu_bad_cases)
 def test_fuzz_kernels_bad_inputs(case):
     run_bad_case(case, "cuda")  # HF_FLASH_CHECK=1 (tests/conftest.py): the GPU checks raise like the CPU ones

@@ -37,7 +37,7 @@ def main() -> int:
     parser.add_argument("--cases", type=int, default=40, help="valid cases (seeds 0..cases-1)")
     parser.add_argument("--bad", type=int, default=None, help="bad-value cases (default: cases // 4)")
     parser.add_argument("--first-seed", type=int, default=0)
-    parser.add_argument("--no-check", action="store_true", help="run the kernels without comparing outputs")
+    parser.add_argument("--no-check", action="store_true", help="only run the kernels (no float64 reference)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("fuzz_sanitize: needs a CUDA GPU", file=sys.stderr)
@@ -49,15 +49,11 @@ def main() -> int:
     if not loaded:
         print(f"fuzz_sanitize: {detail}", file=sys.stderr)
         return 2
-    if args.no_check:
-        import fuzz_cases
-
-        fuzz_cases.assert_close = lambda *a, **k: None
     start, failures = time.time(), 0
     for seed in range(args.first_seed, args.first_seed + args.cases):
         case = draw_case(RandomSource(seed), SANITIZE)
         try:
-            run_case(case, "cuda")
+            run_case(case, "cuda", check=not args.no_check)
         except AssertionError as e:
             failures += 1
             print(f"FAIL seed {seed}: {e}")
