@@ -60,6 +60,8 @@ CPU = Limits(max_len=100, max_elems=1 << 13, max_batch=3, max_heads=4,
              dtypes=("float32", "bfloat16", "float16", "float64"))
 GPU = Limits(max_len=5000, max_elems=1 << 25, max_batch=6, max_heads=16,
              dtypes=("bfloat16", "float16", "bfloat16", "float16", "float32"))
+# Small enough for compute-sanitizer (10-100x slower), still off every tile boundary; kernel dtypes only.
+SMALL_GPU = Limits(max_len=700, max_elems=1 << 20, max_batch=3, max_heads=8, dtypes=("bfloat16", "float16"))
 
 
 @dataclass(frozen=True)

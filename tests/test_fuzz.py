@@ -16,7 +16,8 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fuzz_cases import CPU, GPU, REGRESSIONS, HypothesisSource, draw_bad_case, draw_case, run_bad_case, run_case  # noqa: E402
+from fuzz_cases import (CPU, GPU, REGRESSIONS, SMALL_GPU, HypothesisSource, RandomSource, draw_bad_case,  # noqa: E402
+                        draw_case, run_bad_case, run_case)
 
 CPU_EXAMPLES = int(os.environ.get("HF_FLASH_FUZZ_EXAMPLES", "45"))
 GPU_EXAMPLES = int(os.environ.get("HF_FLASH_FUZZ_GPU_EXAMPLES", "2000"))
@@ -73,3 +74,15 @@ def test_fuzz_kernels(case):
 @given(case=gpu_bad_cases)
 def test_fuzz_kernels_bad_inputs(case):
     run_bad_case(case, "cuda")  # HF_FLASH_CHECK=1 (tests/conftest.py): the GPU checks raise like the CPU ones
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(24))
+def test_kernels_clamp_bad_values(seed, monkeypatch):
+    """Without HF_FLASH_CHECK bad index values reach the kernels: they must run in bounds, forward and backward
+    (an out-of-bounds access surfaces at the synchronize; tools/fuzz_sanitize.py runs these under memcheck)."""
+    from hf_flash import checks
+
+    monkeypatch.setattr(checks, "CHECK_VALUES", False)
+    run_bad_case(draw_bad_case(RandomSource(seed), SMALL_GPU, errors=("value",)), "cuda", expect_error=False)
+    torch.cuda.synchronize()

@@ -26,10 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import torch  # noqa: E402
 
-from fuzz_cases import Limits, RandomSource, draw_bad_case, draw_case, run_bad_case, run_case  # noqa: E402
-
-# Small enough for a sanitizer (10-100x slower), still off every tile boundary; kernel dtypes only.
-SANITIZE = Limits(max_len=700, max_elems=1 << 20, max_batch=3, max_heads=8, dtypes=("bfloat16", "float16"))
+from fuzz_cases import SMALL_GPU, RandomSource, draw_bad_case, draw_case, run_bad_case, run_case  # noqa: E402
 
 
 def main() -> int:
@@ -51,7 +48,7 @@ def main() -> int:
         return 2
     start, failures = time.time(), 0
     for seed in range(args.first_seed, args.first_seed + args.cases):
-        case = draw_case(RandomSource(seed), SANITIZE)
+        case = draw_case(RandomSource(seed), SMALL_GPU)
         try:
             run_case(case, "cuda", check=not args.no_check)
         except AssertionError as e:
