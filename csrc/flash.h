@@ -37,7 +37,8 @@ struct FwdParams {
   const int* __restrict__ cu_seqlens_k;  // (b+1) int32 or nullptr (dense)
   const int* __restrict__ seqused_k;     // (b) valid keys per row of a KV cache, or nullptr
   // KV cache with left padding: row b's keys are rows [leftpad_k[b], seqused_k[b]) (dense only; nullptr = 0).
-  // Both are clamped to [0, seqlen_k] on the device, so bad lengths cannot read out of bounds.
+  // Both are clamped to [0, seqlen_k] on the device, and cu_seqlens to [0, total] (seq_rows below), so bad
+  // lengths or offsets cannot read or write out of bounds.
   const int* __restrict__ leftpad_k;
 
   float softmax_scale;       // applied to q.k before softcap
@@ -104,6 +105,17 @@ cudaError_t run_sm90_or_sm80(bool sm90, cudaError_t (*run_sm90)(const Params&, c
   }
   return run_sm80(p, s);
 }
+
+#ifdef __CUDACC__
+// Rows of sequence `batch` as (first row, count): [cu[batch], cu[batch + 1]) clamped to the tensor's `total`
+// rows (empty when the offsets decrease), or (0, dense_len) when dense. Branch-free min/max: a bad offset
+// gives a wrong (caught by HF_FLASH_CHECK=1) but in-bounds range.
+__device__ __forceinline__ int2 seq_rows(const int* cu, int batch, int total, int dense_len) {
+  if (!cu) return make_int2(0, dense_len);
+  const int start = min(max(cu[batch], 0), total);
+  return make_int2(start, min(max(cu[batch + 1], start), total) - start);
+}
+#endif
 
 // Lets `kernel` take `bytes` of dynamic shared memory (above 48 KB a kernel must opt in).
 template <class Kernel>

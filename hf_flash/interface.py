@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import ops
+from . import checks, ops
 
 MAX_HEAD_DIM = 256
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -79,17 +79,6 @@ def _check_options(q, dropout_p, window_size, softcap, alibi_slopes, batch: int)
     return wl, wr
 
 
-def _check_cu_seqlens(name: str, cu, total: int, device) -> None:
-    if not isinstance(cu, Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
-        raise TypeError(f"{name} must be a 1-D int32 tensor of batch+1 offsets")
-    if cu.device != device:
-        raise ValueError(f"{name} must be on {device}, got {cu.device}")
-    if not torch.compiler.is_compiling() and cu.device.type == "cpu":
-        # Cheap on CPU; on GPU this check would sync, so the kernels guard bounds instead.
-        if int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError(f"{name} must start at 0, be non-decreasing and end at {total}, got {cu.tolist()}")
-
-
 def _rng_state(q: Tensor, dropout_p: float) -> Optional[Tensor]:
     """Philox (seed, offset) drawn from torch's generator: reproducible under
     torch.manual_seed, graph-capturable, and saved for the backward."""
@@ -120,6 +109,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
     returns ``(out, lse, None)``, lse being float32 ``(B, H, Sq)``."""
     if not _checked_by_op(q):
         _check_qkv(q, k, v, 4)
+        checks.note_reference_dtype(q)
         if k.shape[0] != q.shape[0]:
             raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, q.shape[0])
@@ -135,34 +125,23 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            return_attn_probs: bool = False, block_table: Optional[Tensor] = None):
     """Attention on packed ``(total_tokens, H, D)`` tensors; sequence ``b`` is
     rows ``cu_seqlens[b]:cu_seqlens[b+1]``. LSE is float32 ``(H, total_q)``."""
-    if block_table is not None:
-        raise ValueError("block_table (paged KV cache) is not supported by hf_flash yet; pass contiguous k/v")
     if not _checked_by_op(q):
         _check_qkv(q, k, v, 3)
-        _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-        _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length, got "
-                             f"{cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+        checks.note_reference_dtype(q)
+    if block_table is not None:
+        raise ValueError("block_table (paged KV cache) is not supported by hf_flash yet; pass contiguous k/v")
+    max_seqlen = []
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, Tensor):
             value = int(value)
         if not isinstance(value, int) or value < 0:
             raise TypeError(f"{name} must be a non-negative int, got {value!r}")
-    window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, cu_seqlens_q.numel() - 1)
+        max_seqlen.append(value)
+    batch = checks.cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen[0], q.device)
+    checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen[1], q.device, batch)
+    window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, batch)
     return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
                 softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs)
-
-
-def _check_cache_index(name: str, t, b: int, device) -> Tensor:
-    if not isinstance(t, Tensor) or t.dtype != torch.int32:
-        got = t.dtype if isinstance(t, Tensor) else type(t).__name__
-        raise TypeError(f"{name} must be an int32 tensor of shape ({b},), got {got}")
-    if tuple(t.shape) != (b,):
-        raise ValueError(f"{name} must have shape ({b},) (one entry per batch row), got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} like q, got {t.device}")
-    return t
 
 
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
@@ -185,6 +164,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     1 = no split.
     """
     _check_qkv(q, k_cache, v_cache, 4)
+    checks.note_reference_dtype(q)
     unsupported = {"rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "cache_batch_idx": cache_batch_idx,
                    "block_table": block_table}
     for name, value in unsupported.items():
@@ -203,23 +183,15 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     if cache_seqlens is None:
         seqlens = torch.full((b,), s_cache - s_new, dtype=torch.int32, device=q.device)
     elif isinstance(cache_seqlens, int):
+        checks.cache_length(cache_seqlens, s_new, s_cache)
         seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
     else:
-        seqlens = _check_cache_index("cache_seqlens", cache_seqlens, b, q.device)
+        seqlens = checks.index_tensor("cache_seqlens", cache_seqlens, b, q.device, "one entry per batch row")
     if cache_leftpad is not None:
-        _check_cache_index("cache_leftpad", cache_leftpad, b, q.device)
+        checks.index_tensor("cache_leftpad", cache_leftpad, b, q.device, "one entry per batch row")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = automatic, 1 = no split), got {num_splits!r}")
-    if not torch.compiler.is_compiling() and q.device.type == "cpu":
-        # Cheap on CPU; on GPU this check would sync, so the kernels clamp to the cache instead.
-        end = seqlens + s_new
-        bad = (seqlens < 0) | (end > s_cache)
-        if cache_leftpad is not None:
-            bad |= (cache_leftpad < 0) | (cache_leftpad > end)
-        if bool(bad.any()):
-            leftpad = None if cache_leftpad is None else cache_leftpad.tolist()
-            raise ValueError(f"need 0 <= cache_leftpad <= cache_seqlens + new keys <= cache length {s_cache}, got "
-                             f"cache_seqlens={seqlens.tolist()}, new keys={s_new}, cache_leftpad={leftpad}")
+    checks.cache_ranges(seqlens, cache_leftpad, s_new, s_cache)  # before the append writes at those rows
     window = _check_options(q, 0.0, window_size, softcap, alibi_slopes, b)
     if k is not None:
         pos = seqlens[:, None].long() + torch.arange(s_new, device=q.device)  # (B, S_new)

@@ -184,6 +184,8 @@ class _Layout:
     def pad(self, x):
         if self.cu is None:
             return x.to(self.dtype).transpose(1, 2)
+        if x.shape[0] == 0:  # every sequence empty: nothing to gather from
+            return x.new_zeros(*self.valid.shape, *x.shape[1:], dtype=self.dtype).transpose(1, 2)
         valid = self.valid.view(*self.valid.shape, *([1] * (x.dim() - 1)))
         return torch.where(valid, x[self.index], 0).to(self.dtype).transpose(1, 2)
 

@@ -1,5 +1,10 @@
+import os
+
 import pytest
 import torch
+
+# Index-tensor values are checked on the GPU too (hf_flash.checks reads this once, at import).
+os.environ.setdefault("HF_FLASH_CHECK", "1")
 
 
 def kernels_available() -> bool:

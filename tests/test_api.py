@@ -2,6 +2,7 @@
 
 import inspect
 import random
+import warnings
 
 import pytest
 import torch
@@ -70,18 +71,27 @@ def _varlen(cu_q, cu_k=None):
 
 
 @pytest.mark.parametrize("cu,error,message", [
-    (torch.tensor([0, 4, 10]), TypeError, "cu_seqlens_q must be a 1-D int32"),
-    (torch.tensor([0, 6, 4, 10], dtype=torch.int32), ValueError, "non-decreasing"),
-    (torch.tensor([0, 4, 9], dtype=torch.int32), ValueError, "end at 10"),
-    (torch.tensor([1, 4, 10], dtype=torch.int32), ValueError, "start at 0"),
+    (torch.tensor([0, 4, 10]), TypeError, "cu_seqlens_q must be an int32"),
+    (torch.tensor([0, 6, 4, 10], dtype=torch.int32), ValueError, r"cu_seqlens_q\[2\]=4 < cu_seqlens_q\[1\]=6: offsets must be non-decreasing"),
+    (torch.tensor([0, 4, 9], dtype=torch.int32), ValueError, r"cu_seqlens_q\[2\]=9: the last offset must equal the number of rows, 10"),
+    (torch.tensor([1, 4, 10], dtype=torch.int32), ValueError, r"cu_seqlens_q\[0\]=1: offsets must start at 0"),
 ])
 def test_bad_cu_seqlens_raise_clear_errors(cu, error, message):
     with pytest.raises(error, match=message):
         _varlen(cu)
 
 
+def test_bad_index_layout_and_max_seqlen():
+    cu = torch.tensor([0, 0, 4, 4, 10, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be contiguous"):
+        _varlen(cu[::2])
+    q = torch.randn(10, 2, 16)
+    with pytest.raises(ValueError, match=r"max_seqlen_q=3 < cu_seqlens_q\[2\] - cu_seqlens_q\[1\] = 6"):
+        flash_attn_varlen_func(q, q, q, cu[::2].contiguous(), cu[::2].contiguous(), 3, 10)
+
+
 def test_mismatched_cu_seqlens_lengths():
-    with pytest.raises(ValueError, match="same length"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_k must have shape \(3,\)"):
         _varlen(torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 10], dtype=torch.int32))
 
 
@@ -140,15 +150,17 @@ def test_kvcache_without_leftpad_equals_zero_leftpad():
     (dict(cache_seqlens=torch.tensor([4.0, 4.0])), TypeError, "cache_seqlens must be an int32"),
     (dict(cache_seqlens=torch.tensor([4, 4, 4], dtype=torch.int32)), ValueError, r"cache_seqlens must have shape \(2,\)"),
     (dict(cache_seqlens=torch.tensor([4, 4], dtype=torch.int32, device="meta")), ValueError, "cache_seqlens must be on cpu"),
-    (dict(cache_seqlens=torch.tensor([4, 17], dtype=torch.int32)), ValueError, "cache length 16"),
-    (dict(cache_seqlens=torch.tensor([4, -1], dtype=torch.int32)), ValueError, "cache length 16"),
+    (dict(cache_seqlens=torch.tensor([4, 17], dtype=torch.int32)), ValueError, r"cache_seqlens\[1\]=17 \+ 0 new keys > cache length 16"),
+    (dict(cache_seqlens=torch.tensor([4, -1], dtype=torch.int32)), ValueError, r"cache_seqlens\[1\]=-1 < 0"),
+    (dict(cache_seqlens=17), ValueError, r"cache_seqlens=17 \(\+ 0 new keys\) must be in \[0, cache length 16\]"),
+    (dict(cache_seqlens=torch.arange(4, dtype=torch.int32)[::2]), ValueError, "cache_seqlens must be contiguous"),
     (dict(cache_leftpad=[0, 0]), TypeError, "cache_leftpad must be an int32"),
     (dict(cache_leftpad=torch.tensor([0, 0])), TypeError, "cache_leftpad must be an int32"),
     (dict(cache_leftpad=torch.zeros(2, 1, dtype=torch.int32)), ValueError, r"cache_leftpad must have shape \(2,\)"),
     (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32, device="meta")), ValueError, "cache_leftpad must be on cpu"),
     (dict(cache_seqlens=torch.tensor([4, 4], dtype=torch.int32), cache_leftpad=torch.tensor([0, 5], dtype=torch.int32)),
-     ValueError, "cache_leftpad <= cache_seqlens"),
-    (dict(cache_leftpad=torch.tensor([0, -2], dtype=torch.int32)), ValueError, "0 <= cache_leftpad"),
+     ValueError, r"cache_leftpad\[1\]=5 must be in \[0, cache_seqlens\[1\] \+ new keys = 4\]"),
+    (dict(cache_leftpad=torch.tensor([0, -2], dtype=torch.int32)), ValueError, r"cache_leftpad\[1\]=-2 must be in \[0, cache_seqlens\[1\] \+ new keys = 16\]"),
     (dict(num_splits=-1), ValueError, "num_splits"),
 ])
 def test_kvcache_bad_lengths_raise_clear_errors(kwargs, error, message):
@@ -206,3 +218,24 @@ def test_env_report_names_the_active_path():
     report = hf_flash.env_report()
     assert "hf_flash" in report and "registered" in report
     assert "reference path" in report or "cuda path" in report
+
+
+def test_wide_dtype_on_gpu_warns_once(monkeypatch):
+    """float32 on a GPU runs the reference path: one warning naming it and the way to the kernels."""
+    from hf_flash import checks
+
+    monkeypatch.setattr(checks, "_is_cuda", lambda t: True)
+    monkeypatch.setattr(checks, "_warned_wide", False)
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.warns(UserWarning, match=r"float32 inputs on a GPU run the PyTorch reference path.*bfloat16.*autocast"):
+        flash_attn_func(q, q, q)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flash_attn_func(q, q, q)  # once per process
+        flash_attn_func(q.half(), q.half(), q.half())  # 16-bit inputs never warn
+
+
+def test_index_checks_read_flag_once():
+    from hf_flash import checks
+
+    assert checks.CHECK_VALUES  # tests/conftest.py sets HF_FLASH_CHECK=1 before hf_flash is imported

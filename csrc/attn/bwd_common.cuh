@@ -19,15 +19,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 struct Seq {
   int q0, k0, sq, sk, ws0;
   __device__ Seq(const BwdParams& p, int b) {
-    if (p.cu_seqlens_q) {
-      q0 = p.cu_seqlens_q[b]; sq = p.cu_seqlens_q[b + 1] - q0;
-      k0 = p.cu_seqlens_k[b]; sk = p.cu_seqlens_k[b + 1] - k0;
-      ws0 = q0;
-    } else {
-      q0 = 0; sq = p.seqlen_q;
-      k0 = 0; sk = p.seqlen_k;
-      ws0 = b * p.seqlen_q;
-    }
+    const int2 rows_q = seq_rows(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
+    const int2 rows_k = seq_rows(p.cu_seqlens_k, b, p.total_k, p.seqlen_k);  // clamped: in bounds whatever the offsets
+    q0 = rows_q.x; sq = rows_q.y;
+    k0 = rows_k.x; sk = rows_k.y;
+    ws0 = p.cu_seqlens_q ? q0 : b * p.seqlen_q;
   }
 };
 

@@ -132,14 +132,13 @@ __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kMTiles][Tr::kDTiles][4],
 }
 
 // Keys of `batch` as (first row, count). A KV cache (seqused_k) holds rows [leftpad_k, seqused_k) of
-// its seqlen_k, clamped to them.
+// the sequence's rows, clamped to them.
 __device__ __forceinline__ int2 key_range(const FwdParams& p, int batch) {
-  const bool varlen = p.cu_seqlens_k != nullptr;
-  const int start = varlen ? p.cu_seqlens_k[batch] : 0;
-  if (!p.seqused_k) return make_int2(start, varlen ? p.cu_seqlens_k[batch + 1] - start : p.seqlen_k);
-  const int end = max(0, min(p.seqused_k[batch], p.seqlen_k));
+  const int2 rows = seq_rows(p.cu_seqlens_k, batch, p.total_k, p.seqlen_k);
+  if (!p.seqused_k) return rows;
+  const int end = max(0, min(p.seqused_k[batch], rows.y));
   const int leftpad = p.leftpad_k ? min(max(p.leftpad_k[batch], 0), end) : 0;
-  return make_int2(start + leftpad, end - leftpad);
+  return make_int2(rows.x + leftpad, end - leftpad);
 }
 
 // Key j is visible to query i (both within their sequence) iff lo(i) <= j <= hi(i). An unbounded window

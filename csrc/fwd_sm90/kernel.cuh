@@ -79,8 +79,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int m_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first
   const int head = blockIdx.y, batch = blockIdx.z;
   const bool varlen = p.cu_seqlens_q != nullptr;
-  const int q_start = varlen ? p.cu_seqlens_q[batch] : 0;
-  const int seqlen_q = varlen ? p.cu_seqlens_q[batch + 1] - q_start : p.seqlen_q;
+  const int2 rows_q = seq_rows(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
+  const int q_start = rows_q.x, seqlen_q = rows_q.y;
   const int2 keys = fwd::key_range(p, batch);
   const int k_start = keys.x, seqlen_k = keys.y;
   const int m0 = m_block * kBlockM;

@@ -1,0 +1,517 @@
+"""Random attention cases for the fuzzer (tests/test_fuzz.py) and tools/fuzz_sanitize.py, and the error rule.
+
+A ``Case`` is plain data (its repr rebuilds it: paste a failing one into ``REGRESSIONS``). ``draw_case`` and
+``draw_bad_case`` build one from a source of choices: hypothesis' ``draw`` (``HypothesisSource``, shrinking
+included) or a seeded ``random.Random`` (``RandomSource``, for sanitizer runs without hypothesis).
+``run_case`` runs the public functions (the kernels on a GPU, the reference on CPU) and checks the output and
+the gradients against float64 attention with flash-attn's rule (``assert_close``); ``run_bad_case`` checks that
+a corrupted argument raises the expected error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from hf_flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, reference
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+# One unit in the last place at 1.0: the rounding of a single output element.
+_ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 2.0**-23, torch.float64: 2.0**-52}
+
+
+# ---- the error rule ------------------------------------------------------------------------------------------
+
+
+def assert_close(ours, ref, same_precision, what: str, factor: float = 2.0, slack: float = 0.0) -> None:
+    """flash-attn's rule: max|ours - ref| <= factor * max|same_precision - ref| + 1e-5 + slack, ``ref`` computed
+    in float64, ``same_precision`` the same math in the inputs' dtype. One rounding of the largest value is
+    added to the slack (tiny problems where the naive math is exact in the input dtype)."""
+    assert ours.shape == ref.shape, f"{what}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    if ours.numel() == 0:
+        return
+    assert not ours.isnan().any(), f"{what}: NaN"
+    ref = ref.double()
+    err = (ours.double() - ref).abs().max().item()
+    slack += 1e-5 + _ULP[ours.dtype] * ref.abs().max().item()
+    bound = factor * (same_precision.double() - ref).abs().max().item() + slack
+    assert err <= bound, f"{what}: max error {err:.3e} > bound {bound:.3e}"
+
+
+# ---- cases ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_len: int  # longest sequence drawn
+    max_elems: int  # cap on the score matrices' total size, sum over sequences of h * len_q * len_k
+    max_batch: int
+    max_heads: int
+    dtypes: tuple
+
+
+CPU = Limits(max_len=100, max_elems=1 << 13, max_batch=3, max_heads=4,
+             dtypes=("float32", "bfloat16", "float16", "float64"))
+GPU = Limits(max_len=5000, max_elems=1 << 25, max_batch=6, max_heads=16,
+             dtypes=("bfloat16", "float16", "bfloat16", "float16", "float32"))
+# Small enough for compute-sanitizer (10-100x slower), still off every tile boundary; kernel dtypes only.
+SMALL_GPU = Limits(max_len=700, max_elems=1 << 20, max_batch=3, max_heads=8, dtypes=("bfloat16", "float16"))
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # "dense" | "varlen" | "kvcache"
+    dtype: str
+    h: int
+    hk: int
+    d: int
+    lens_q: tuple  # per sequence (dense: b equal entries; kvcache: b entries of the query length)
+    lens_k: tuple  # per sequence (kvcache: the valid keys before the append, cache_seqlens)
+    causal: bool = False
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: str = ""  # "" | "h" (heads,) | "bh" (batch, heads)
+    dropout: float = 0.0
+    deterministic: bool = False
+    scale: Optional[float] = None
+    layout: str = "contiguous"  # "contiguous" | "transposed" (a (B, H, S, D) tensor's view) | "padded" (d sliced)
+    s_cache: int = 0  # kvcache: rows of the cache
+    s_new: int = 0  # kvcache: keys appended in place
+    leftpad: Optional[tuple] = None  # kvcache
+    seqlens_int: bool = False  # kvcache: cache_seqlens passed as one int
+    corrupt: str = ""  # run_bad_case: which argument to break (see BAD)
+    seed: int = 0
+
+    @property
+    def b(self) -> int:
+        return len(self.lens_q)
+
+
+class RandomSource:
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+
+    def int(self, lo: int, hi: int) -> int:
+        return self.rng.randint(lo, hi)
+
+    def pick(self, options):
+        return self.rng.choice(list(options))
+
+
+class HypothesisSource:
+    def __init__(self, draw):
+        self.draw = draw
+
+    def int(self, lo: int, hi: int) -> int:
+        from hypothesis import strategies as st
+
+        return self.draw(st.integers(lo, hi))
+
+    def pick(self, options):
+        from hypothesis import strategies as st
+
+        return self.draw(st.sampled_from(list(options)))
+
+
+def _prime_at_most(n: int) -> int:
+    while n > 2 and any(n % p == 0 for p in range(2, math.isqrt(n) + 1)):
+        n -= 1
+    return n
+
+
+def length(src, hi: int) -> int:
+    """A length in [0, hi], biased to tiny values, powers of two (and their neighbours) and primes."""
+    kind = src.pick(("tiny", "pow2", "prime", "any"))
+    if kind == "tiny" or hi < 4:
+        return src.int(0, min(3, hi))
+    if kind == "pow2":
+        return min(hi, max(0, 2 ** src.int(0, int(math.log2(hi))) + src.pick((-1, 0, 0, 1))))
+    if kind == "prime":
+        return _prime_at_most(src.int(2, hi))
+    return src.int(0, hi)
+
+
+def _head_dim(src, hi: int = 256) -> int:
+    kind = src.pick(("compiled", "compiled", "other", "tiny"))
+    if kind == "compiled":
+        return src.pick((32, 64, 96, 128, 192, 256))
+    if kind == "tiny":
+        return src.int(1, 8)
+    return src.int(1, hi)
+
+
+def _fit(lens_q: list, lens_k: list, h: int, cap: int) -> tuple:
+    """Scale the lengths down (keeping zeros and ones) until sum(h * lq * lk) <= cap."""
+    while h * sum(a * b for a, b in zip(lens_q, lens_k)) > cap:
+        lens_q = [n if n <= 1 else max(1, n * 3 // 4) for n in lens_q]
+        lens_k = [n if n <= 1 else max(1, n * 3 // 4) for n in lens_k]
+    return tuple(lens_q), tuple(lens_k)
+
+
+def draw_case(src, lim: Limits, kinds=("dense", "varlen", "kvcache")) -> Case:
+    kind = src.pick(kinds)
+    dtype = src.pick(lim.dtypes)
+    hk = src.pick(tuple(n for n in (1, 1, 2, 3, 4) if n <= lim.max_heads))
+    h = hk * src.pick(tuple(g for g in (1, 1, 2, 3, 4, 8) if hk * g <= lim.max_heads))
+    d = _head_dim(src)
+    b = src.int(1, lim.max_batch)
+    extra = {}
+    if kind == "dense":
+        sq, sk = length(src, lim.max_len), length(src, lim.max_len)
+        lens_q, lens_k = [sq] * b, [sk] * b
+    elif kind == "varlen":
+        b = src.int(1, 2 * lim.max_batch)
+        lens_q = [length(src, lim.max_len) for _ in range(b)]
+        lens_k = list(lens_q) if src.pick((True, False)) else [length(src, lim.max_len) for _ in range(b)]
+    else:
+        s_cache = max(1, length(src, lim.max_len))
+        s_new = src.pick((0, 0, src.int(1, min(4, s_cache))))
+        sq = src.pick((1, 1, 2, src.int(1, 16), src.int(1, 40)))
+        lens_q = [sq] * b
+        lens_k = [src.int(0, s_cache - s_new) for _ in range(b)]
+        leftpad = None
+        if src.pick((True, False)):
+            leftpad = tuple(src.int(0, n + s_new) for n in lens_k)
+        extra = dict(s_cache=s_cache, s_new=s_new, leftpad=leftpad,
+                     seqlens_int=len(set(lens_k)) == 1 and src.pick((True, False)))
+    if kind != "kvcache":
+        lens_q, lens_k = _fit(lens_q, lens_k, h, lim.max_elems)
+        if kind == "dense":  # _fit keeps the sequences equal
+            lens_q, lens_k = (lens_q[0],) * b, (lens_k[0],) * b
+    else:  # the cache's score matrix is sq x s_cache at most; shrink the query if needed
+        while h * b * lens_q[0] * extra["s_cache"] > lim.max_elems and lens_q[0] > 1:
+            lens_q = [lens_q[0] // 2] * b
+        lens_q, lens_k = tuple(lens_q), tuple(lens_k)
+    longest = max(lens_k + (1,)) + extra.get("s_new", 0)
+    window = src.pick(((-1, -1), (-1, -1), "drawn"))
+    if window == "drawn":
+        window = (src.pick((-1, 0, src.int(0, longest))), src.pick((-1, 0, src.int(0, longest))))
+    return Case(kind=kind, dtype=dtype, h=h, hk=hk, d=d, lens_q=lens_q, lens_k=lens_k,
+                causal=src.pick((False, True)), window=window, softcap=src.pick((0.0, 0.0, 0.0, 5.0, 30.0)),
+                alibi=src.pick(("", "", "", "h", "bh")),
+                dropout=0.0 if kind == "kvcache" else src.pick((0.0, 0.0, 0.0, 0.17)),
+                deterministic=src.pick((False, True)), scale=src.pick((None, None, 0.3)),
+                layout=src.pick(("contiguous", "transposed", "padded")), seed=src.int(0, 2**31 - 1), **extra)
+
+
+# ---- running a case ---------------------------------------------------------------------------------------------
+
+
+def _tensor(gen, shape, dtype, layout: str, device, scale: float = 1.0):
+    """Random values in a (possibly non-contiguous) view: ``transposed`` views a tensor whose dims 0 and -2 of
+    ``shape``'s last three are swapped ((B, H, S, D) seen as (B, S, H, D)); ``padded`` slices a wider last dim."""
+    if layout == "transposed":
+        t = torch.randn(*shape[:-3], shape[-2], shape[-3], shape[-1], generator=gen).mul(scale)
+        return t.to(device=device, dtype=dtype).transpose(-3, -2)
+    if layout == "padded":
+        t = torch.randn(*shape[:-1], shape[-1] + 8, generator=gen).mul(scale)
+        return t.to(device=device, dtype=dtype)[..., : shape[-1]]
+    return torch.randn(*shape, generator=gen).mul(scale).to(device=device, dtype=dtype)
+
+
+def _slopes(case: Case, gen, device):
+    if not case.alibi:
+        return None
+    shape = (case.h,) if case.alibi == "h" else (case.b, case.h)
+    return (torch.rand(*shape, generator=gen) * 0.3).to(device)
+
+
+def _rng_state(case: Case, device):
+    if case.dropout == 0:
+        return None
+    return torch.tensor([case.seed * 7919 + 1, case.seed % 1000], dtype=torch.int64, device=device)
+
+
+def _cu(lens, device):
+    return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+
+
+class _Inputs:
+    """A dense or varlen case's tensors and the per-sequence pieces the naive oracle runs on."""
+
+    def __init__(self, case: Case, device):
+        gen = torch.Generator().manual_seed(case.seed)
+        dtype, (h, hk, d) = DTYPES[case.dtype], (case.h, case.hk, case.d)
+        qscale = 3.0 if case.softcap else 1.0  # logits large enough for the cap to matter
+        if case.kind == "dense":
+            b, sq, sk = case.b, case.lens_q[0], case.lens_k[0]
+            self.q = _tensor(gen, (b, sq, h, d), dtype, case.layout, device, qscale)
+            self.k = _tensor(gen, (b, sk, hk, d), dtype, case.layout, device)
+            self.v = _tensor(gen, (b, sk, hk, d), dtype, case.layout, device)
+            self.dout = torch.randn(b, sq, h, d, generator=gen).to(device=device, dtype=dtype)
+        else:
+            tq, tk = sum(case.lens_q), sum(case.lens_k)
+            self.q = _tensor(gen, (tq, h, d), dtype, case.layout, device, qscale)
+            self.k = _tensor(gen, (tk, hk, d), dtype, case.layout, device)
+            self.v = _tensor(gen, (tk, hk, d), dtype, case.layout, device)
+            self.dout = torch.randn(tq, h, d, generator=gen).to(device=device, dtype=dtype)
+            self.cu_q, self.cu_k = _cu(case.lens_q, device), _cu(case.lens_k, device)
+        self.slopes = _slopes(case, gen, device)
+        self.rng_state = _rng_state(case, device)
+
+    def sequences(self, case: Case):
+        """(index, q, k, v, dout row slices as (1, S, H, D)) per sequence."""
+        if case.kind == "dense":
+            for i in range(case.b):
+                yield i, slice(i, i + 1), *(t[i : i + 1] for t in (self.q, self.k, self.v, self.dout))
+            return
+        oq, ok = self.cu_q.tolist(), self.cu_k.tolist()
+        for i in range(case.b):
+            sq, sk = slice(oq[i], oq[i + 1]), slice(ok[i], ok[i + 1])
+            yield i, (sq, sk), self.q[None, sq], self.k[None, sk], self.v[None, sk], self.dout[None, sq]
+
+
+def _naive_sequence(case: Case, i, q, k, v, slopes, rng_state, dtype):
+    """Attention of one sequence in ``dtype`` (autograd-able), dropout mask from the kernels' Philox."""
+    keep = None
+    if case.dropout > 0:
+        rows = torch.arange(q.shape[1], device=q.device)
+        cols = torch.arange(k.shape[1], device=q.device)
+        keep = reference.dropout_keep(rng_state, i, case.h, rows, cols, case.dropout)[None]
+    alibi = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[i : i + 1])
+    return reference.naive_attention(q.to(dtype), k.to(dtype), v.to(dtype), softmax_scale=case.scale,
+                                     causal=case.causal, window_size=case.window, softcap=case.softcap,
+                                     alibi_slopes=alibi, dropout_keep_mask=keep, dropout_p=case.dropout)
+
+
+def _ours(case: Case, x: _Inputs, q, k, v):
+    """The public function (or, with dropout, the op with our own rng_state, so the oracle can redraw it)."""
+    if case.dropout > 0:
+        cu_q, cu_k = (x.cu_q, x.cu_k) if case.kind == "varlen" else (None, None)
+        scale = case.d**-0.5 if case.scale is None else case.scale
+        return torch.ops.hf_flash.fwd(q, k, v, cu_q, cu_k, None, max(case.lens_q), max(case.lens_k), scale,
+                                      case.causal, case.window[0], case.window[1], case.softcap, x.slopes,
+                                      case.dropout, x.rng_state, case.deterministic)[0]
+    kw = dict(softmax_scale=case.scale, causal=case.causal, window_size=case.window, softcap=case.softcap,
+              alibi_slopes=x.slopes, deterministic=case.deterministic)
+    if case.kind == "dense":
+        return flash_attn_func(q, k, v, **kw)
+    return flash_attn_varlen_func(q, k, v, x.cu_q, x.cu_k, max(case.lens_q), max(case.lens_k), **kw)
+
+
+def _check_trainable(case: Case, device, check: bool = True) -> None:
+    x = _Inputs(case, device)
+    dtype = DTYPES[case.dtype]
+    leaves = [t.detach().requires_grad_() for t in (x.q, x.k, x.v)]  # keeps the view's strides
+    out = _ours(case, x, *leaves)
+    grads = torch.autograd.grad(out, leaves, x.dout, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+    if case.deterministic:
+        again = torch.autograd.grad(_ours(case, x, *leaves), leaves, x.dout, allow_unused=True)
+        for name, g, g2 in zip("qkv", grads, again):
+            assert g2 is None or torch.equal(g, g2), f"d{name}: deterministic=True gave two different results"
+    if not check:
+        return
+    results = {}
+    for precision in (torch.float64, dtype):
+        outs, dq, dk, dv = [], torch.zeros_like(x.q, dtype=precision), torch.zeros_like(x.k, dtype=precision), \
+            torch.zeros_like(x.v, dtype=precision)
+        for i, rows, q, k, v, dout in x.sequences(case):
+            q, k, v = (t.detach().to(precision).requires_grad_() for t in (q, k, v))
+            o = _naive_sequence(case, i, q, k, v, x.slopes, x.rng_state, precision)
+            gq, gk, gv = torch.autograd.grad(o, (q, k, v), dout.to(precision), allow_unused=True)
+            outs.append(o.detach()[0])
+            rq, rk = (rows, rows) if case.kind == "dense" else rows
+            dq[rq] = 0 if gq is None else gq[0]
+            dk[rk] = 0 if gk is None else gk[0]
+            dv[rk] = 0 if gv is None else gv[0]
+        ref_out = torch.stack(outs) if case.kind == "dense" else torch.cat(outs) if outs else x.q.to(precision)
+        results[precision] = (ref_out.reshape(out.shape), dq, dk, dv)
+    ref, same = results[torch.float64], results[dtype]
+    assert_close(out.detach(), ref[0], same[0], "out")
+    # The backward's D = rowsum(dO * O) stands for rowsum(dO * V P^T): float32 cancellation over a sequence's
+    # rows, which the naive math does not have (its exact zeros, e.g. dK with one key, are not ours).
+    magnitude = max([1.0] + [r.abs().max().item() for r in ref[1:] if r.numel()])
+    longest = max(case.lens_q + case.lens_k + (1,))
+    slack = _ULP[torch.float32] * magnitude * longest
+    if case.dropout > 0 and out.numel():
+        # D uses O rounded to the input dtype: with dropout O != V even for a row with one key, where the naive
+        # gradient is exactly 0. A random-walk bound of that rounding, through dS = P (dP - D) into dQ and dK.
+        row_d = (x.dout.double() * out.detach().double()).pow(2).sum(-1).sqrt().max().item()
+        qk = max(x.q.abs().max().item(), x.k.abs().max().item() if x.k.numel() else 0.0)
+        scale = case.d**-0.5 if case.scale is None else case.scale
+        slack += scale * _ULP[dtype] * row_d * qk * math.sqrt(longest) / (1 - case.dropout)
+    for name, g, r, s in zip(("dq", "dk", "dv"), grads, ref[1:], same[1:]):
+        assert_close(g, r, s, name, factor=3.0, slack=slack)  # tests/test_kernels_bwd.py's factor for gradients
+
+
+def _cache_inputs(case: Case, device):
+    gen = torch.Generator().manual_seed(case.seed)
+    dtype, (b, h, hk, d) = DTYPES[case.dtype], (case.b, case.h, case.hk, case.d)
+    q = _tensor(gen, (b, case.lens_q[0], h, d), dtype, case.layout, device, 3.0 if case.softcap else 1.0)
+    k_cache = _tensor(gen, (b, case.s_cache, hk, d), dtype, case.layout, device)
+    v_cache = _tensor(gen, (b, case.s_cache, hk, d), dtype, case.layout, device)
+    new = [None, None]
+    if case.s_new:
+        new = [_tensor(gen, (b, case.s_new, hk, d), dtype, case.layout, device) for _ in range(2)]
+    seqlens = torch.tensor(case.lens_k, dtype=torch.int32, device=device)
+    leftpad = None if case.leftpad is None else torch.tensor(case.leftpad, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, new, seqlens, leftpad, _slopes(case, gen, device)
+
+
+def _check_kvcache(case: Case, device, check: bool = True) -> None:
+    q, k_cache, v_cache, (k_new, v_new), seqlens, leftpad, slopes = _cache_inputs(case, device)
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    for i, n in enumerate(case.lens_k):
+        if case.s_new:
+            expect_k[i, n : n + case.s_new], expect_v[i, n : n + case.s_new] = k_new[i], v_new[i]
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                  cache_seqlens=case.lens_k[0] if case.seqlens_int else seqlens,
+                                  cache_leftpad=leftpad, softmax_scale=case.scale, causal=case.causal,
+                                  window_size=case.window, softcap=case.softcap, alibi_slopes=slopes)
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v), "the in-place append"
+    if not check:
+        return
+    for precision in (torch.float64, DTYPES[case.dtype]):
+        rows = []
+        for i, n in enumerate(case.lens_k):
+            start, end = (0 if leftpad is None else case.leftpad[i]), n + case.s_new
+            rows.append(_naive_sequence(case, i, q[i : i + 1], k_cache[i : i + 1, start:end],
+                                        v_cache[i : i + 1, start:end], slopes, None, precision))
+        if precision == torch.float64:
+            ref = torch.cat(rows)
+        else:
+            assert_close(out, ref, torch.cat(rows), "out")
+
+
+def run_case(case: Case, device, check: bool = True) -> None:
+    """Run one valid case on ``device`` and check it (raises AssertionError with what differs); ``check=False``
+    only runs it (forward, backward, the append)."""
+    try:
+        (_check_kvcache if case.kind == "kvcache" else _check_trainable)(case, device, check)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nreproduce: run_case({case!r}, {str(device)!r})") from None
+
+
+# ---- bad inputs ---------------------------------------------------------------------------------------------------
+
+# corruption -> (kinds it applies to, exception, a value error only the value checks catch)
+BAD = {
+    "cu_decreasing": ("varlen", ValueError, True),
+    "cu_start": ("varlen", ValueError, True),
+    "cu_end": ("varlen", ValueError, True),
+    "max_seqlen": ("varlen", ValueError, True),
+    "cu_dtype": ("varlen", TypeError, False),
+    "cu_shape": ("varlen", ValueError, False),
+    "cu_strided": ("varlen", ValueError, False),
+    "seqlens_over": ("kvcache", ValueError, True),
+    "seqlens_negative": ("kvcache", ValueError, True),
+    "leftpad_over": ("kvcache", ValueError, True),
+    "leftpad_negative": ("kvcache", ValueError, True),
+    "index_dtype": ("kvcache", TypeError, False),
+    "index_shape": ("kvcache", ValueError, False),
+    "cache_batch_idx": ("kvcache", ValueError, False),
+    "block_table": ("kvcache", ValueError, False),
+}
+
+
+def draw_bad_case(src, lim: Limits, errors=("layout", "value")) -> Case:
+    """A valid varlen or kvcache case with one argument broken: a wrong ``layout`` (dtype, shape, strides,
+    refused argument) or a wrong ``value`` (only the value checks catch it)."""
+    corrupt = src.pick(tuple(name for name, (_, _, is_value) in BAD.items() if ("value" if is_value else "layout")
+                             in errors))
+    case = draw_case(src, lim, kinds=(BAD[corrupt][0],))
+    if case.kind == "varlen" and corrupt == "max_seqlen" and max(case.lens_q + case.lens_k) == 0:
+        case = dataclasses.replace(case, lens_q=(1,) + case.lens_q[1:])
+    extra = {"seqlens_int": False}
+    if case.kind == "kvcache" and corrupt.startswith("leftpad") and case.leftpad is None:
+        extra["leftpad"] = (0,) * case.b
+    return dataclasses.replace(case, corrupt=corrupt, **extra)
+
+
+def _broken_args(case: Case, device, rng: random.Random):
+    """The public function, its arguments with ``case.corrupt`` applied, and a regex the error must match."""
+    c = case.corrupt
+    if case.kind == "varlen":
+        x = _Inputs(case, device)
+        which = rng.choice(("q", "k"))
+        name = f"cu_seqlens_{which}"
+        cu = (x.cu_q if which == "q" else x.cu_k).clone()
+        max_q, max_k = max(case.lens_q), max(case.lens_k)
+        if c == "cu_decreasing":
+            i = rng.randint(1, case.b)
+            cu[i] = cu[i - 1] - rng.randint(1, 5)
+            match = rf"{name}\[{i}\]=-?\d+ < {name}\[{i - 1}\]=\d+: offsets must be non-decreasing"
+        elif c == "cu_start":
+            cu[0] = rng.randint(1, 5)
+            match = rf"{name}\[0\]=\d+: offsets must start at 0"
+        elif c == "cu_end":
+            cu[-1] += rng.randint(1, 5)
+            match = rf"{name}\[{case.b}\]=\d+: the last offset must equal the number of rows"
+        elif c == "max_seqlen":
+            name = "cu_seqlens_q" if max_q >= 1 and (which == "q" or max_k == 0) else "cu_seqlens_k"
+            max_q, max_k = (max_q - 1, max_k) if name == "cu_seqlens_q" else (max_q, max_k - 1)
+            cu = x.cu_q if name == "cu_seqlens_q" else x.cu_k
+            match = rf"max_seqlen_{name[-1]}=\d+ < {name}\["
+        elif c == "cu_dtype":
+            cu = cu.long()
+            match = rf"{name} must be an int32"
+        elif c == "cu_shape":
+            cu = cu[None]
+            match = rf"{name} must have shape"
+        else:  # cu_strided
+            cu = torch.stack([cu, cu], -1)[:, 0]
+            match = rf"{name} must be contiguous"
+        cu_q, cu_k = (cu, x.cu_k) if name == "cu_seqlens_q" else (x.cu_q, cu)
+        return flash_attn_varlen_func, (x.q, x.k, x.v, cu_q, cu_k, max_q, max_k), dict(causal=case.causal), match
+    q, k_cache, v_cache, (k_new, v_new), seqlens, leftpad, _ = _cache_inputs(case, device)
+    i = rng.randrange(case.b)
+    kw = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, causal=case.causal)
+    if c == "seqlens_over":
+        seqlens[i] = case.s_cache - case.s_new + rng.randint(1, 5)
+        match = rf"cache_seqlens\[{i}\]=\d+ \+ {case.s_new} new keys > cache length {case.s_cache}"
+    elif c == "seqlens_negative":
+        seqlens[i] = -rng.randint(1, 5)
+        match = rf"cache_seqlens\[{i}\]=-\d+ < 0"
+    elif c in ("leftpad_over", "leftpad_negative"):
+        leftpad[i] = seqlens[i] + case.s_new + rng.randint(1, 5) if c == "leftpad_over" else -rng.randint(1, 5)
+        match = rf"cache_leftpad\[{i}\]=-?\d+ must be in \[0, cache_seqlens\[{i}\] \+ new keys"
+    elif c in ("index_dtype", "index_shape"):
+        name = rng.choice(("cache_seqlens", "cache_leftpad"))
+        t = seqlens if name == "cache_seqlens" else torch.zeros_like(seqlens)
+        kw[name] = t.long() if c == "index_dtype" else torch.cat([t, t[:1]])
+        match = rf"{name} must be an int32" if c == "index_dtype" else rf"{name} must have shape \({case.b},\)"
+    else:  # cache_batch_idx / block_table: refused
+        kw[c] = torch.zeros(case.b, 1, dtype=torch.int32, device=device)
+        match = re.escape(c)
+    return flash_attn_with_kvcache, (q, k_cache, v_cache, k_new, v_new), kw, match
+
+
+def run_bad_case(case: Case, device, expect_error: bool = True) -> None:
+    """Run a corrupted case. ``expect_error``: it must raise BAD's exception naming the argument; otherwise (a
+    GPU without HF_FLASH_CHECK, under a sanitizer) bad values must only run, in bounds, forward and backward."""
+    fn, args, kw, match = _broken_args(case, device, random.Random(case.seed))
+    if not expect_error:
+        if fn is flash_attn_varlen_func:
+            args = [a.detach().requires_grad_() if a.is_floating_point() else a for a in args[:5]] + list(args[5:])
+        else:  # no append: writing past the cache is PyTorch's index_put_, not a kernel
+            args = args[:3]
+        out = fn(*args, **kw)
+        if out.requires_grad:
+            out.float().sum().backward()
+        return
+    error = BAD[case.corrupt][1]
+    try:
+        fn(*args, **kw)
+    except error as e:
+        assert re.search(match, str(e)), f"{case.corrupt}: message {str(e)!r} does not match {match!r}\n{case!r}"
+        return
+    raise AssertionError(f"{case.corrupt}: no {error.__name__} raised\nreproduce: run_bad_case({case!r}, "
+                         f"{str(device)!r})")
+
+
+# Failing cases the fuzzer found, kept as regression tests (paste a failure's Case repr here).
+REGRESSIONS: list = [
+    # Every sequence empty (no rows at all): the reference's varlen gather raised IndexError.
+    Case(kind="varlen", dtype="float32", h=1, hk=1, d=32, lens_q=(0,), lens_k=(0,)),
+    Case(kind="varlen", dtype="bfloat16", h=2, hk=1, d=64, lens_q=(0, 0), lens_k=(3, 0), causal=True),
+    # One key: dK or dQ is exactly 0 in the naive math, rounding noise in ours (the gradients' slack).
+    Case(kind="dense", dtype="bfloat16", h=1, hk=1, d=32, lens_q=(1,), lens_k=(1,), dropout=0.17),
+    Case(kind="dense", dtype="float32", h=1, hk=1, d=100, lens_q=(41, 41), lens_k=(1, 1), softcap=5.0),
+]

@@ -1,0 +1,69 @@
+"""A reduced, fixed-seed set of the fuzzer's cases (tests/fuzz_cases.py) without hypothesis, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck  --error-exitcode 1 python tools/fuzz_sanitize.py --cases 40
+    compute-sanitizer --tool racecheck --error-exitcode 1 python tools/fuzz_sanitize.py --cases 40
+    compute-sanitizer --tool initcheck --error-exitcode 1 python tools/fuzz_sanitize.py --cases 40 --bad 0
+
+Each case runs the kernels forward and backward and is checked against float64 attention (``--no-check``
+skips the comparison). ``--bad`` cases pass bad index values (decreasing or out-of-range offsets, too small
+max_seqlen, cache lengths past the cache, bad left padding) straight to the kernels, with the value checks off
+as on a GPU without HF_FLASH_CHECK: they must run without a sanitizer error, the kernels clamping every range
+to its tensor. Their outputs are meaningless and may leave rows unwritten, which initcheck would report when
+the backward reads them: run initcheck with ``--bad 0``. The caching allocator is off (unless
+PYTORCH_NO_CUDA_MEMORY_CACHING is set already), so memcheck sees every tensor's own bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import torch  # noqa: E402
+
+from fuzz_cases import SMALL_GPU, RandomSource, draw_bad_case, draw_case, run_bad_case, run_case  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", type=int, default=40, help="valid cases (seeds 0..cases-1)")
+    parser.add_argument("--bad", type=int, default=None, help="bad-value cases (default: cases // 4)")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--no-check", action="store_true", help="only run the kernels (no float64 reference)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("fuzz_sanitize: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import hf_flash
+    from hf_flash import checks, ops
+
+    loaded, detail = ops.extension_status()
+    if not loaded:
+        print(f"fuzz_sanitize: {detail}", file=sys.stderr)
+        return 2
+    start, failures = time.time(), 0
+    for seed in range(args.first_seed, args.first_seed + args.cases):
+        case = draw_case(RandomSource(seed), SMALL_GPU)
+        try:
+            run_case(case, "cuda", check=not args.no_check)
+        except AssertionError as e:
+            failures += 1
+            print(f"FAIL seed {seed}: {e}")
+    bad = args.cases // 4 if args.bad is None else args.bad
+    checks.CHECK_VALUES = False  # as on a GPU without HF_FLASH_CHECK: bad values reach the kernels
+    for seed in range(args.first_seed, args.first_seed + bad):
+        case = draw_bad_case(RandomSource(10**6 + seed), SANITIZE, errors=("value",))
+        run_bad_case(case, "cuda", expect_error=False)
+    torch.cuda.synchronize()
+    print(f"fuzz_sanitize: hf_flash {hf_flash.__version__}, {args.cases} cases ({failures} failed), {bad} bad-value "
+          f"cases run unchecked, {time.time() - start:.0f} s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
