@@ -109,7 +109,8 @@ FIXUPS: dict[str, dict] = {
                                  "text_config": {
         "model_type": "gemma4_unified_text", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "layer_types": ["sliding_attention", "full_attention"], "num_kv_shared_layers": 2, "sliding_window": 4}},
+        "layer_types": ["sliding_attention", "full_attention"], "per_layer_config": {"1": {"head_dim": 16}},
+        "num_kv_shared_layers": 2, "sliding_window": 4}},
     "mamba2": {"num_heads": 8, "n_groups": 1},  # num_heads * head_dim = 2 * hidden
     # per-layer-type rotary tables (mrope sections sum to head_dim / 2)
     "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {

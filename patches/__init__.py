@@ -246,7 +246,10 @@ def _configs(config) -> list:
     found = [config] + ([text] if text is not None and text is not config else [])
     for c in list(found):
         layers = _get(c, "per_layer_config")
-        found += list(layers.values() if isinstance(layers, dict) else layers or ())
+        try:
+            found += list(layers.values() if isinstance(layers, dict) else layers or ())
+        except Exception:  # a view over layers that this config does not define
+            pass
     return found
 
 
