@@ -111,6 +111,8 @@ FIXUPS: dict[str, dict] = {
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
         "layer_types": ["sliding_attention", "full_attention"], "per_layer_config": {"1": {"head_dim": 16}},
         "num_kv_shared_layers": 2, "sliding_window": 4}},
+    # its feed-forward and expert sizes are not the generic names (146M parameters otherwise: ~30 s on CPU)
+    "longcat_flash": {"ffn_hidden_size": 128, "expert_ffn_hidden_size": 32, "moe_topk": 2, "zero_expert_num": 2},
     "mamba2": {"num_heads": 8, "n_groups": 1},  # num_heads * head_dim = 2 * hidden
     # per-layer-type rotary tables (mrope sections sum to head_dim / 2)
     "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
