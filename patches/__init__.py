@@ -77,7 +77,8 @@ SCORE_TERMS = {
 }
 
 # Types whose needs their code and config do not show (they pass nothing unusual to the attention function),
-# with the reason. Everything detectable is detected in check_supported, for any model type.
+# with the reason; and families that compute attention in their own code (refused without an entry too), where
+# the entry says why no patch carries them. Everything detectable is detected in check_supported, for any type.
 _MASK = "it builds custom 4-D attention masks that flash attention cannot express"
 _DSA = ("its sparse-attention indexer (DeepSeek Sparse Attention, Qwen QSA) folds a per-query top-k key selection "
         "into a 4-D attention mask (and indexes that mask directly), which flash attention cannot express")
