@@ -104,6 +104,15 @@ FIXUPS: dict[str, dict] = {
         "enable_moe_block": False, "use_double_wide_mlp": False, "vocab_size": VOCAB, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "global_head_dim": 16}},
+    # 5.24's drafter over a full-size Gemma 4 unified text stack (2.9B parameters by default: minutes on CPU)
+    "gemma4_unified_assistant": {"backbone_hidden_size": 64, "num_centroids": 16, "centroid_intermediate_top_k": 4,
+                                 "text_config": {
+        "model_type": "gemma4_unified_text", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "layer_types": ["sliding_attention", "full_attention"], "per_layer_config": {"1": {"head_dim": 16}},
+        "num_kv_shared_layers": 2, "sliding_window": 4}},
+    # its feed-forward and expert sizes are not the generic names (146M parameters otherwise: ~30 s on CPU)
+    "longcat_flash": {"ffn_hidden_size": 128, "expert_ffn_hidden_size": 32, "moe_topk": 2, "zero_expert_num": 2},
     "mamba2": {"num_heads": 8, "n_groups": 1},  # num_heads * head_dim = 2 * hidden
     # per-layer-type rotary tables (mrope sections sum to head_dim / 2)
     "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {

@@ -34,6 +34,17 @@ NAME = "hf_flash"
 PAGED_NAME = f"paged|{NAME}"
 MIN_TRANSFORMERS = (5, 17)
 
+# Keyword arguments a model's attention call may pass by name that hf_flash carries: the call's tensors, what
+# transformers' flash wrapper hands to the kernels (scale, dropout, causality, window, softcap, varlen layout),
+# and flags checked per call. A model whose attention call passes any other keyword (a score term: sinks=,
+# s_aux=, position_bias=, a sparse indexer's indices=) refuses at load, since the wrapper would silently drop
+# it (``hf_flash.patches.check_supported``). Carrying a new score term is adding its name here.
+CARRIED_ATTENTION_KWARGS = frozenset({
+    "module", "query", "key", "value", "attention_mask", "scaling", "dropout", "is_causal", "sliding_window",
+    "softcap", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "deterministic",
+    "output_attentions",
+})
+
 
 class UnsupportedAttentionError(ValueError):
     """An attention feature that hf_flash does not implement (it never silently changes the math)."""

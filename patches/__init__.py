@@ -9,7 +9,18 @@ mask for something flash attention takes elsewhere (nllb-moe's causality and
 router padding, t5gemma's bidirectional window). Each module here fixes one
 family so it runs on hf_flash kernels; ``MODEL_TYPE_TO_PATCH`` maps
 ``config.model_type`` to its ``apply_hf_flash_to_<module>(model=None)``
-function (Liger's pattern).
+function (Liger's pattern). A patch applies only while the code it replaces
+is in the loaded transformers (each module's ``applies()`` checks what the
+transformers module defines, never its version); otherwise it steps aside
+and the model is checked like any other: transformers moves families onto
+the attention interface (codegen and gptj in 5.24), where they run unpatched.
+
+What a model's attention needs that hf_flash cannot carry is read from its
+code and config at load: keyword arguments its attention call passes beyond
+``hf_flash.integration.CARRIED_ATTENTION_KWARGS`` (score terms such as
+``sinks=``, ``s_aux=``, ``position_bias=``), head dims above the kernels'
+maximum, attention computed outside the interface. ``REFUSED`` keeps only
+what the code does not show (custom 4-D masks, a drafter's shared cache).
 
 When it happens:
 
@@ -29,6 +40,7 @@ supported families: never a crash mid-forward, never silent eager math.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import re
@@ -36,8 +48,6 @@ import sys
 from typing import Callable, Optional
 
 from ._common import NAME, uses_hf_flash
-
-MAX_HEAD_DIM = 256  # hf_flash.interface.MAX_HEAD_DIM (not imported: this package loads before torch ops)
 
 # model_type -> patch module in this package; each defines apply_hf_flash_to_<module>(model=None)
 PATCH_MODULES = {
@@ -56,12 +66,20 @@ PATCH_MODULES = {
     "xglm": "xglm",
 }
 
-# Types that use transformers' attention interface but still cannot run on hf_flash, with the reason.
-_SINKS = "its attention uses learned sinks (s_aux), which hf_flash does not implement"
-_BIAS = "it adds a learned relative position bias to the scores, which a 2-D flash padding mask cannot carry"
+# What the score terms that models pass to the attention function add (for refusal messages only: whether
+# hf_flash carries one is hf_flash.integration.CARRIED_ATTENTION_KWARGS).
+SCORE_TERMS = {
+    "s_aux": "learned attention sinks",
+    "sinks": "per-token attention sinks",
+    "position_bias": "a learned relative position bias",
+    "indices": "a sparse-attention indexer's per-query top-k key selection",
+    "block_indices": "a block-sparse key selection",
+}
+
+# Types whose needs their code and config do not show (they pass nothing unusual to the attention function),
+# with the reason; and families that compute attention in their own code (refused without an entry too), where
+# the entry says why no patch carries them. Everything detectable is detected in check_supported, for any type.
 _MASK = "it builds custom 4-D attention masks that flash attention cannot express"
-_BIAS_SINKS = ("its attention call adds a learned relative position bias and per-token sinks (position_bias=, "
-               "sinks=), which flash attention cannot carry")
 _DSA = ("its sparse-attention indexer (DeepSeek Sparse Attention, Qwen QSA) folds a per-query top-k key selection "
         "into a 4-D attention mask (and indexes that mask directly), which flash attention cannot express")
 _DISENTANGLED = ("its disentangled attention adds content-to-position and position-to-content terms "
@@ -78,21 +96,16 @@ _ZERO_PAD = ("with a padded batch, flash attention leaves the padded positions' 
              "infinite derivative there, so parameter gradients become NaN (eager gives padded positions non-zero "
              "outputs; logits on real tokens match, and so do gradients when the pad rows are non-zero)")
 REFUSED: dict[str, str] = {
-    "gpt_oss": _SINKS, "granite_swa": _SINKS, "granitemoe_swa": _SINKS, "deepseek_v4": _SINKS,
-    "mimo_v2_flash": _SINKS,  # its sliding-window layers (it also pins flash kernels: patched at load)
-    "t5": _BIAS, "mt5": _BIAS, "umt5": _BIAS, "longt5": _BIAS, "switch_transformers": _BIAS, "pop2piano": _BIAS,
     "pegasus_x": ("its encoder runs block-local attention with global tokens in its own code "
                   "(PegasusXGlobalLocalAttention: a block's queries see the global tokens and their own block), not "
                   "through transformers' attention interface, and hf_flash has no patch for it yet"),
     "bigbird_pegasus": ("its encoder computes attention in its own code (BigBirdPegasusSelfAttention, or block-sparse "
                         "attention over random key blocks), not through transformers' attention interface; only "
                         "the decoder would run on hf_flash"),
-    "gemma4_text": "its global layers use head_dim 512, above hf_flash's maximum 256",
-    "gemma4_unified_text": "its global layers use head_dim 512, above hf_flash's maximum 256",
-    "deepseek_v32": _DSA, "glm_moe_dsa": _DSA, "axk2": _DSA, "dots3_note_text": _DSA, "qwen4_exp_text": _DSA,
+    "qwen4_exp_text": _DSA,
     "gemma4_assistant": _DRAFTER, "gemma4_unified_assistant": _DRAFTER,
     "gemma3n_text": _ZERO_PAD,
-    "doge": _MASK, "hy_v4": _MASK,
+    "doge": _MASK,
     # encoders that compute attention in their own code, with score terms flash attention cannot carry
     "deberta": _DISENTANGLED, "deberta-v2": _DISENTANGLED,
     "xlnet": ("its two-stream relative attention adds position (query . relative key) and segment terms to the "
@@ -100,7 +113,6 @@ REFUSED: dict[str, str] = {
     "longformer": _GLOBAL_LOCAL, "led": _GLOBAL_LOCAL,
     "big_bird": ("its default block-sparse attention attends to random key blocks (plus global and window "
                  "blocks), a pattern flash attention cannot express"),
-    "inkling_text": _BIAS_SINKS, "inkling2_text": _BIAS_SINKS,
 }
 
 
@@ -145,6 +157,13 @@ class _LazyTable(dict):
 MODEL_TYPE_TO_PATCH: dict[str, Callable] = _LazyTable()
 
 
+def patch_applies(model_type: str) -> bool:
+    """True if ``model_type`` has a patch and the code it replaces is in the loaded transformers."""
+    if model_type not in PATCH_MODULES:
+        return False
+    return importlib.import_module(f"{__name__}.{PATCH_MODULES[model_type]}").applies()
+
+
 def supported_summary() -> str:
     return ("hf_flash runs every transformers model that routes attention through its attention interface, "
             f"plus these patched families: {', '.join(sorted(PATCH_MODULES))}")
@@ -171,16 +190,68 @@ def _module_routes_attention(module_name: str) -> Optional[bool]:
 
 
 @functools.lru_cache(maxsize=None)
-def _module_passes_sinks(module_name: str) -> bool:
-    """True if the modeling module hands learned attention sinks (``s_aux=``) to the attention function."""
+def attention_call_kwargs(module_name: str) -> frozenset:
+    """Keyword names the modeling module passes, by name, to the attention function it looks up in
+    ``ALL_ATTENTION_FUNCTIONS`` (``attention_interface(self, q, k, v, mask, scaling=..., sinks=...)``)."""
     path = getattr(sys.modules.get(module_name), "__file__", None)
-    if not path:
-        return False
     try:
         with open(path, encoding="utf-8") as f:
-            return "s_aux=" in f.read()
-    except OSError:
-        return False
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, TypeError):
+        return frozenset()
+    looked_up = set()  # names the looked-up function is bound to
+    for node in ast.walk(tree):
+        value = getattr(node, "value", None)
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and value is not None \
+                and "ALL_ATTENTION_FUNCTIONS" in ast.unparse(value):
+            looked_up.update(ast.unparse(t) for t in getattr(node, "targets", [getattr(node, "target", None)]))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and (ast.unparse(node.func) in looked_up
+                                           or isinstance(node.func, ast.Subscript)
+                                           and "ALL_ATTENTION_FUNCTIONS" in ast.unparse(node.func)):
+            names.update(k.arg for k in node.keywords if k.arg is not None)  # None: **kwargs
+    return frozenset(names)
+
+
+def _head_dims(config) -> dict:
+    """{description: value} of the attention head dims a config asks for (its text config's and per-layer
+    configs' too), read as transformers reads them: ``head_dim``, else ``hidden_size // num_attention_heads``."""
+    dims = {}
+    for c in _configs(config):
+        for attr in ("head_dim", "global_head_dim", "v_head_dim"):
+            if isinstance(_get(c, attr), int):
+                dims[f"config.{attr}"] = _get(c, attr)
+        hidden, heads = _get(c, "hidden_size"), _get(c, "num_attention_heads")
+        if _get(c, "head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+            dims["config.hidden_size // config.num_attention_heads"] = hidden // heads
+        nope, rope = _get(c, "qk_nope_head_dim"), _get(c, "qk_rope_head_dim")
+        if isinstance(nope, int) and isinstance(rope, int):  # multi-head latent attention's query/key dim
+            dims["config.qk_nope_head_dim + config.qk_rope_head_dim"] = nope + rope
+    return dims
+
+
+def _get(config, attr):
+    try:
+        return getattr(config, attr, None)
+    except Exception:  # a per-layer attribute (gemma4) raises on global access: read per layer instead
+        return None
+
+
+def _configs(config) -> list:
+    """The config, its text config and their per-layer configs (gemma4's ``per_layer_config``)."""
+    try:
+        text = config.get_text_config()
+    except Exception:
+        text = None
+    found = [config] + ([text] if text is not None and text is not config else [])
+    for c in list(found):
+        layers = _get(c, "per_layer_config")
+        try:
+            found += list(layers.values() if isinstance(layers, dict) else layers or ())
+        except Exception:  # a view over layers that this config does not define
+            pass
+    return found
 
 
 def allow_hf_flash_in_flash_list(model_cls) -> None:
@@ -203,7 +274,10 @@ def _refusal(model_type: str, why: str) -> UnsupportedModelError:
 def check_supported(model_cls, config) -> None:
     """Raise :class:`UnsupportedModelError` unless ``model_cls`` with ``config`` runs on hf_flash."""
     model_type = getattr(config, "model_type", None) or "<unknown>"
-    if model_type in PATCH_MODULES:
+    from hf_flash.integration import CARRIED_ATTENTION_KWARGS
+    from hf_flash.interface import MAX_HEAD_DIM
+
+    if patch_applies(model_type):
         module = importlib.import_module(f"{__name__}.{PATCH_MODULES[model_type]}")
         reason = getattr(module, "unsupported", lambda c: None)(config)
         if reason:
@@ -211,15 +285,14 @@ def check_supported(model_cls, config) -> None:
         return
     if model_type in REFUSED:
         raise _refusal(model_type, REFUSED[model_type])
-    if _module_passes_sinks(model_cls.__module__):
-        raise _refusal(model_type, _SINKS)
-    for attr in ("head_dim", "global_head_dim", "v_head_dim"):
-        try:
-            value = getattr(config, attr, None)
-        except Exception:  # per-layer attributes (gemma4) raise on global access
-            value = None
-        if isinstance(value, int) and value > MAX_HEAD_DIM:
-            raise _refusal(model_type, f"config.{attr}={value} is above hf_flash's maximum head dim {MAX_HEAD_DIM}")
+    extra = sorted(attention_call_kwargs(model_cls.__module__) - CARRIED_ATTENTION_KWARGS)
+    if extra:
+        terms = ", ".join(f"{name}= ({SCORE_TERMS[name]})" if name in SCORE_TERMS else f"{name}=" for name in extra)
+        raise _refusal(model_type, f"its attention call passes {terms} to the attention function, which hf_flash "
+                                   "does not carry (transformers' flash path would drop it)")
+    for what, value in _head_dims(config).items():
+        if value > MAX_HEAD_DIM:
+            raise _refusal(model_type, f"{what} = {value} is above hf_flash's maximum head dim {MAX_HEAD_DIM}")
     if _module_routes_attention(model_cls.__module__) is False:
         raise _refusal(model_type, f"{model_cls.__name__} computes attention itself (it does not call "
                                    "transformers' attention interface) and hf_flash has no patch for it yet")
@@ -258,7 +331,7 @@ def patch(model):
     seen = set()
     for m in inner:
         model_type = m.config.model_type
-        if model_type in PATCH_MODULES and id(m.config) not in seen:
+        if patch_applies(model_type) and id(m.config) not in seen:
             seen.add(id(m.config))
             _apply(m, model_type)
     return model
@@ -300,7 +373,7 @@ def install() -> None:
                 check_supported(type(self), self.config)
                 allow_hf_flash_in_flash_list(type(self))
                 model_type = getattr(self.config, "model_type", None)
-                if model_type in PATCH_MODULES:
+                if patch_applies(model_type):
                     MODEL_TYPE_TO_PATCH[model_type]()  # class tables, before the modules are built
                     if any(True for _ in self.children()):  # set_attn_implementation on a built model
                         _apply(self, model_type)
@@ -318,7 +391,7 @@ def install() -> None:
             config = getattr(self, "config", None)
             if config is not None and uses_hf_flash(config):
                 model_type = getattr(config, "model_type", None)
-                if model_type in PATCH_MODULES:
+                if patch_applies(model_type):
                     _apply(self, model_type)
                 elif _attention_module_count(self) == 0 and _module_routes_attention(type(self).__module__) is None:
                     raise _refusal(model_type, f"{type(self).__name__} has no attention layers for hf_flash to run")
@@ -328,5 +401,6 @@ def install() -> None:
         PreTrainedModel.post_init = _post_init
 
 
-__all__ = ["MODEL_TYPE_TO_PATCH", "PATCH_MODULES", "REFUSED", "UnsupportedModelError", "check_supported", "install",
+__all__ = ["MODEL_TYPE_TO_PATCH", "PATCH_MODULES", "REFUSED", "SCORE_TERMS", "UnsupportedModelError", "attention_call_kwargs",
+           "check_supported", "install", "patch_applies",
            "patch", "patch_function", "supported_summary"]

@@ -125,6 +125,15 @@ def dropout_p(module, attr: str = "attn_dropout") -> float:
     return float(d.p if isinstance(d, torch.nn.Dropout) else (d or 0.0))
 
 
+def computes_attention_itself(cls: type) -> bool:
+    """True while ``cls.forward`` computes attention in its own code, not through transformers' attention
+    interface: a patch replacing that forward applies only then (a later transformers may move the class onto
+    the interface, where it runs on hf_flash without a patch)."""
+    import inspect
+
+    return "ALL_ATTENTION_FUNCTIONS" not in inspect.getsource(cls.forward)
+
+
 def uses_hf_flash(config) -> bool:
     impl = getattr(config, "_attn_implementation", None)
     return isinstance(impl, str) and impl.removeprefix("paged|") == NAME

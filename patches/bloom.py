@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from ._common import attend, bind_all, dropout_p
+from ._common import attend, bind_all, computes_attention_itself, dropout_p
 
 MODULE = "transformers.models.bloom.modeling_bloom"
 
@@ -47,7 +47,16 @@ def forward(self, hidden_states, residual, alibi, attention_mask, layer_past=Non
     return dropout_add(output, residual, self.hidden_dropout, self.training), None
 
 
+def applies() -> bool:
+    """The code this patch replaces is in the loaded transformers (else the model uses the attention interface)."""
+    from transformers.models.bloom import modeling_bloom as m
+
+    return computes_attention_itself(m.BloomAttention)
+
+
 def apply_hf_flash_to_bloom(model=None):
+    if not applies():
+        return 0
     from transformers.models.bloom import modeling_bloom as m
 
     if model is not None:

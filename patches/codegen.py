@@ -13,7 +13,16 @@ def _attn(self, query, key, value, attention_mask=None):
     return out.transpose(1, 2), None
 
 
+def applies() -> bool:
+    """The code this patch replaces is in the loaded transformers (else the model uses the attention interface)."""
+    from transformers.models.codegen import modeling_codegen as m
+
+    return hasattr(m.CodeGenAttention, "_attn")
+
+
 def apply_hf_flash_to_codegen(model=None):
+    if not applies():
+        return 0
     from transformers.models.codegen import modeling_codegen as m
 
     if model is not None:

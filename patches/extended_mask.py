@@ -14,8 +14,13 @@ CLASSES = {"transformers.models.layoutlm.modeling_layoutlm": "LayoutLMSelfAttent
 MODULES = tuple(CLASSES)
 
 
+def applies() -> bool:
+    """The self-attention classes this patch rebinds are in the loaded transformers."""
+    return all(hasattr(importlib.import_module(name), cls) for name, cls in CLASSES.items())
+
+
 def apply_hf_flash_to_extended_mask(model=None):
-    if model is None:
+    if model is None or not applies():
         return 0
     return sum(bind_padding_mask(model, getattr(importlib.import_module(name), cls), model.config)
                for name, cls in CLASSES.items())

@@ -8,7 +8,7 @@ bfloat16 before scaling, which the kernels' fp32 slopes do not reproduce.
 
 from __future__ import annotations
 
-from ._common import NAME, attend, bind_all
+from ._common import NAME, attend, bind_all, computes_attention_itself
 
 MODULE = "transformers.models.falcon.modeling_falcon"
 
@@ -40,7 +40,16 @@ def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer
     return self.dense(out.reshape(batch_size, query_length, self.num_heads * self.head_dim)), None
 
 
+def applies() -> bool:
+    """The code this patch replaces is in the loaded transformers (else the model uses the attention interface)."""
+    from transformers.models.falcon import modeling_falcon as m
+
+    return hasattr(m, "FALCON_ATTENTION_CLASSES") and computes_attention_itself(m.FalconAttention)
+
+
 def apply_hf_flash_to_falcon(model=None):
+    if not applies():
+        return 0
     from transformers.models.falcon import modeling_falcon as m
 
     m.FALCON_ATTENTION_CLASSES.setdefault(NAME, m.FalconAttention)

@@ -23,7 +23,16 @@ def _attn(self, query, key, value, attention_mask=None):
     return out.transpose(1, 2), None
 
 
+def applies() -> bool:
+    """The code this patch replaces is in the loaded transformers (else the model uses the attention interface)."""
+    from transformers.models.gpt_neo import modeling_gpt_neo as m
+
+    return hasattr(m, "GPT_NEO_ATTENTION_CLASSES") and hasattr(m.GPTNeoSelfAttention, "_attn")
+
+
 def apply_hf_flash_to_gpt_neo(model=None):
+    if not applies():
+        return 0
     from transformers.models.gpt_neo import modeling_gpt_neo as m
 
     m.GPT_NEO_ATTENTION_CLASSES.setdefault(NAME, m.GPTNeoSelfAttention)

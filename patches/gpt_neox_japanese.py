@@ -13,7 +13,16 @@ def _attn(self, query, key, value, attention_mask=None):
     return out.transpose(1, 2), None
 
 
+def applies() -> bool:
+    """The code this patch replaces is in the loaded transformers (else the model uses the attention interface)."""
+    from transformers.models.gpt_neox_japanese import modeling_gpt_neox_japanese as m
+
+    return hasattr(m.GPTNeoXJapaneseAttention, "_attn")
+
+
 def apply_hf_flash_to_gpt_neox_japanese(model=None):
+    if not applies():
+        return 0
     from transformers.models.gpt_neox_japanese import modeling_gpt_neox_japanese as m
 
     if model is not None:

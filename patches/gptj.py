@@ -20,7 +20,16 @@ def _attn(self, query, key, value, attention_mask=None):
     return out.transpose(1, 2), None
 
 
+def applies() -> bool:
+    """The code this patch replaces is in the loaded transformers (else the model uses the attention interface)."""
+    from transformers.models.gptj import modeling_gptj as m
+
+    return hasattr(m, "GPTJ_ATTENTION_CLASSES") and hasattr(m.GPTJAttention, "_attn")
+
+
 def apply_hf_flash_to_gptj(model=None):
+    if not applies():
+        return 0
     from transformers.models.gptj import modeling_gptj as m
 
     m.GPTJ_ATTENTION_CLASSES.setdefault(NAME, m.GPTJAttention)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import attend, bind_all
+from ._common import attend, bind_all, computes_attention_itself
 
 MODULE = "transformers.models.mpt.modeling_mpt"
 
@@ -36,7 +36,16 @@ def forward(self, hidden_states, position_bias, past_key_values=None, attention_
     return self.out_proj(out.reshape(batch_size, seq_length, -1)), None
 
 
+def applies() -> bool:
+    """The code this patch replaces is in the loaded transformers (else the model uses the attention interface)."""
+    from transformers.models.mpt import modeling_mpt as m
+
+    return computes_attention_itself(m.MptAttention)
+
+
 def apply_hf_flash_to_mpt(model=None):
+    if not applies():
+        return 0
     from transformers.models.mpt import modeling_mpt as m
 
     if model is not None:

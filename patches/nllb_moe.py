@@ -25,7 +25,18 @@ def sparse_mlp_forward(self, hidden_states, padding_mask=None):
     return NllbMoeSparseMLP.forward(self, hidden_states, padding_mask)
 
 
+def applies() -> bool:
+    """The code this patch replaces is in the loaded transformers: the router taking the attention mask."""
+    import inspect
+
+    from transformers.models.nllb_moe import modeling_nllb_moe as m
+
+    return "padding_mask" in inspect.signature(m.NllbMoeSparseMLP.forward).parameters
+
+
 def apply_hf_flash_to_nllb_moe(model=None):
+    if not applies():
+        return 0
     from transformers.models.nllb_moe import modeling_nllb_moe as m
 
     if model is not None:

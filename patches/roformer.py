@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ._common import attend, bind_all, cached_key_value, dropout_p
+from ._common import attend, bind_all, cached_key_value, computes_attention_itself, dropout_p
 
 MODULE = "transformers.models.roformer.modeling_roformer"
 
@@ -54,7 +54,16 @@ def forward(self, hidden_states, attention_mask=None, sinusoidal_pos=None, encod
     return out.reshape(bsz, q_len, self.all_head_size), None
 
 
+def applies() -> bool:
+    """The code this patch replaces is in the loaded transformers (else the model uses the attention interface)."""
+    from transformers.models.roformer import modeling_roformer as m
+
+    return computes_attention_itself(m.RoFormerSelfAttention)
+
+
 def apply_hf_flash_to_roformer(model=None):
+    if not applies():
+        return 0
     from transformers.models.roformer import modeling_roformer as m
 
     if model is not None:

@@ -14,7 +14,16 @@ MODULE = "transformers.models.t5gemma.modeling_t5gemma"
 _WIDENED = "_hf_flash_window_widened"
 
 
+def applies() -> bool:
+    """The module whose window this patch widens is in the loaded transformers."""
+    from transformers.models.t5gemma import modeling_t5gemma as m
+
+    return hasattr(m, "T5GemmaSelfAttention")
+
+
 def apply_hf_flash_to_t5gemma(model=None):
+    if not applies():
+        return 0
     from transformers.models.t5gemma import modeling_t5gemma as m
 
     n = 0

@@ -3,7 +3,7 @@ config adds it); queries are pre-scaled by ``self.scaling``."""
 
 from __future__ import annotations
 
-from ._common import attend, bind_all, cached_key_value, dropout_p
+from ._common import attend, bind_all, cached_key_value, computes_attention_itself, dropout_p
 
 MODULE = "transformers.models.xglm.modeling_xglm"
 
@@ -24,7 +24,16 @@ def forward(self, hidden_states, key_value_states=None, past_key_values=None, at
     return self.out_proj(out.reshape(bsz, tgt_len, self.embed_dim)), None
 
 
+def applies() -> bool:
+    """The code this patch replaces is in the loaded transformers (else the model uses the attention interface)."""
+    from transformers.models.xglm import modeling_xglm as m
+
+    return computes_attention_itself(m.XGLMAttention)
+
+
 def apply_hf_flash_to_xglm(model=None):
+    if not applies():
+        return 0
     from transformers.models.xglm import modeling_xglm as m
 
     if model is not None:

@@ -45,7 +45,8 @@ def test_packaging_lists_every_subpackage():
     listed = set(re.search(r"^packages = \[(.*)\]", text, re.M).group(1).replace('"', "").replace(" ", "").split(","))
     found = {"hf_flash"} | {f"hf_flash.{p.parent.name}" for p in (ROOT / "hf_flash").glob("*/__init__.py")}
     assert found | {"hf_flash.patches", "hf_flash.csrc"} == listed
-    assert hf_flash.patches.__file__ == str(ROOT / "patches" / "__init__.py") or "site-packages" in hf_flash.patches.__file__
+    installed = Path(hf_flash.patches.__file__)  # this checkout's patches/ (through a hf_flash/patches link too)
+    assert installed.resolve() == (ROOT / "patches" / "__init__.py").resolve() or "site-packages" in str(installed)
 
 
 @pytest.mark.parametrize("model_type", sorted(PATCH_MODULES))
@@ -64,6 +65,9 @@ def test_patch_keeps_state_dict_and_matches_eager(model_type, kernel_calls):
     for h in hooks:
         h.remove()
     assert kernel_calls["fwd"] == len(calls) > 0  # every attention call ran on the kernel
+    # a patch binds only where the code it replaces exists; elsewhere the model ran through the interface
+    assert any(patches._common.is_patched(m, n) for m in eager.modules() for n in ("forward", "_attn")) \
+        == (patches.patch_applies(model_type) and model_type != "t5gemma")  # t5gemma widens a window, binds nothing
     torch.testing.assert_close(actual, expected, atol=5e-5, rtol=1e-4)
     loaded = build(model_type, config, "hf_flash").eval()
     assert list(loaded.state_dict()) == keys
@@ -97,6 +101,98 @@ def test_roformer_decoder_with_cross_attention_matches_eager(rotary_value, kerne
     assert grads_e.keys() == grads_f.keys()
     for name, grad in grads_e.items():
         torch.testing.assert_close(grads_f[name], grad, atol=2e-4, rtol=2e-3, msg=name)
+
+
+def test_patch_applies_only_where_its_code_exists():
+    """Checked by what the transformers module defines, never by its version (codegen and gptj moved onto the
+    attention interface in 5.24: no ``_attn``, no ``GPTJ_ATTENTION_CLASSES``)."""
+    from transformers.models.codegen import modeling_codegen
+    from transformers.models.gptj import modeling_gptj
+
+    assert patches.patch_applies("codegen") == hasattr(modeling_codegen.CodeGenAttention, "_attn")
+    assert patches.patch_applies("gptj") == (hasattr(modeling_gptj, "GPTJ_ATTENTION_CLASSES")
+                                             and hasattr(modeling_gptj.GPTJAttention, "_attn"))
+    assert not patches.patch_applies("llama")
+    assert all(isinstance(patches.patch_applies(t), bool) for t in PATCH_MODULES)
+
+
+def test_patch_steps_aside_when_its_code_is_gone(monkeypatch):
+    """A patch whose code is gone binds nothing; the model is then checked like any other type."""
+    module = inspect.getmodule(MODEL_TYPE_TO_PATCH["bloom"])
+    model = build("bloom", tiny_config("bloom"), "eager")
+    monkeypatch.setattr(module, "applies", lambda: False)
+    assert not patches.patch_applies("bloom")
+    assert MODEL_TYPE_TO_PATCH["bloom"](model=model) == 0
+    assert not any(patches._common.is_patched(m) for m in model.modules())
+    # bloom (5.17-5.24) still computes attention itself: without its patch it refuses, never crashes
+    with pytest.raises(UnsupportedModelError, match="'bloom'.*computes attention itself"):
+        hf_flash.patch(model)
+
+
+def _module_with_attention_call(tmp_path, monkeypatch, name: str, call: str):
+    """A modeling module ``name`` whose attention calls the looked-up attention function as ``call``."""
+    (tmp_path / f"{name}.py").write_text(
+        "from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS\n\n\n"
+        "class FakeAttention:\n"
+        "    def forward(self, q, k, v, mask, **kwargs):\n"
+        "        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface('eager', None)\n"
+        f"        return {call}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    module = importlib.import_module(name)
+    return type("FakeForCausalLM", (), {"__module__": module.__name__})
+
+
+@pytest.mark.parametrize("term", ["sinks", "s_aux", "position_bias", "some_new_score_term"])
+def test_score_terms_detected_from_the_models_code(term, tmp_path, monkeypatch):
+    """A keyword the attention call passes beyond what hf_flash carries refuses at load, for any model type;
+    carrying it is adding its name to ``CARRIED_ATTENTION_KWARGS``."""
+    from hf_flash import integration
+
+    patches.attention_call_kwargs.cache_clear()
+    cls = _module_with_attention_call(tmp_path, monkeypatch, f"fake_modeling_{term}",
+                                      f"attention_interface(self, q, k, v, mask, scaling=0.5, {term}=None, **kwargs)")
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4)
+    config.model_type = "brand_new_type"
+    assert patches.attention_call_kwargs(cls.__module__) == {"scaling", term}
+    with pytest.raises(UnsupportedModelError, match=f"'brand_new_type'.*{term}="):
+        patches.check_supported(cls, config)
+    monkeypatch.setattr(integration, "CARRIED_ATTENTION_KWARGS", integration.CARRIED_ATTENTION_KWARGS | {term})
+    patches.check_supported(cls, config)
+    patches.attention_call_kwargs.cache_clear()
+
+
+@pytest.mark.parametrize("config_cls, sizes, detail", [
+    ("LlamaConfig", dict(head_dim=512), r"config.head_dim = 512"),
+    ("GPT2Config", dict(n_embd=1024, n_head=2), r"hidden_size // config.num_attention_heads = 512"),  # no head_dim
+])
+def test_head_dim_above_the_maximum_refuses_at_load(config_cls, sizes, detail):
+    from hf_flash.interface import MAX_HEAD_DIM
+
+    config = getattr(transformers, config_cls)(**sizes)
+    config.model_type = "brand_new_type"
+    with pytest.raises(UnsupportedModelError, match=f"'brand_new_type'.*{detail}.*{MAX_HEAD_DIM}"):
+        patches.check_supported(transformers.LlamaForCausalLM, config)
+    patches.check_supported(transformers.LlamaForCausalLM, transformers.LlamaConfig(head_dim=MAX_HEAD_DIM))
+
+
+def test_refusal_table_holds_only_what_detection_cannot_see():
+    """An entry of ``REFUSED`` whose need the model's code or config shows (a score term, a head dim) belongs to
+    detection, not to the table."""
+    from transformers import CONFIG_MAPPING
+
+    from hf_flash.integration import CARRIED_ATTENTION_KWARGS
+    from hf_flash.interface import MAX_HEAD_DIM
+
+    for model_type in patches.REFUSED:
+        if model_type not in CONFIG_MAPPING:
+            continue
+        config = tiny_config(model_type)
+        module = CONFIG_MAPPING[model_type].__module__.replace(".configuration_", ".modeling_")
+        __import__(module)
+        assert not patches.attention_call_kwargs(module) - CARRIED_ATTENTION_KWARGS, model_type
+        assert all(d <= MAX_HEAD_DIM for d in patches._head_dims(config).values()), model_type
 
 
 def test_patch_on_peft_wrapped_model(kernel_calls):
@@ -158,7 +254,7 @@ def test_model_pinning_flash_kernels_keeps_hf_flash(kernel_calls):
 
 
 def test_sink_and_bias_models_refuse_at_load():
-    for model_type in ("gpt_oss", "inkling_text", "inkling2_text", "flint"):
+    for model_type in ("gpt_oss", "inkling_text", "inkling2_text", "inkling2_loop_text", "flint"):
         try:
             config = tiny_config(model_type)
         except KeyError:  # not in this transformers version

@@ -319,3 +319,19 @@ def test_cross_attention_with_differently_padded_encoder_and_decoder(model_type)
                              decoder_attention_mask=dec_mask).logits
     valid = dec_mask.bool()
     torch.testing.assert_close(logits["hf_flash"][valid], logits["eager"][valid], atol=5e-5, rtol=1e-4)
+
+
+def test_readme_states_the_range_that_the_package_pins():
+    """The README's "Supports transformers A to B" and pyproject's ``transformers>=A,<B+1`` name one range,
+    and hf_flash's own minimum is its lower end."""
+    import re
+    from pathlib import Path
+
+    from hf_flash.integration import MIN_TRANSFORMERS
+
+    root = Path(__file__).resolve().parents[1]
+    low, high = re.search(r"Supports transformers (\d+\.\d+) to (\d+\.\d+)", (root / "README.md").read_text()).groups()
+    pin = re.search(r'"transformers>=(\d+\.\d+),<(\d+)\.(\d+)"', (root / "pyproject.toml").read_text())
+    assert pin, "pyproject.toml pins transformers as >=A,<B"
+    assert pin.group(1) == low == ".".join(map(str, MIN_TRANSFORMERS))
+    assert f"{pin.group(2)}.{int(pin.group(3)) - 1}" == high
