@@ -8,7 +8,7 @@ Each kernel family `kind` (fwd, fwd_sm90, bwd, bwd_sm90, decode) provides in csr
     cudaError_t run_<kind>_hdim(const <Params>& params, cudaStream_t stream);
 and gets csrc/<kind>/generated/<kind>_hdim<D>_<dtype>.cu for each of its head
 dims (one explicit instantiation each, so nvcc compiles them in parallel) plus
-csrc/<kind>/generated/dispatch.cu defining its entry point (run_fwd_sm80, run_fwd_sm90,
+csrc/<kind>/generated/<kind>_dispatch.cu (unique names: the first-use build names objects by file name) defining its entry point (run_fwd_sm80, run_fwd_sm90,
 run_bwd_sm80, run_bwd_sm90, run_decode); csrc/fwd.cu and csrc/bwd.cu choose between the
 sm80 and sm90 families.
 """
@@ -55,7 +55,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         for stale in out.glob("*.cu"):
             stale.unlink()
-        (out / "dispatch.cu").write_text(dispatch(kind, params, entry, head_dims, rounds_up))
+        (out / f"{kind}_dispatch.cu").write_text(dispatch(kind, params, entry, head_dims, rounds_up))
         for dtype in DTYPES:
             for d in head_dims:
                 (out / f"{kind}_hdim{d}_{dtype}.cu").write_text(instantiation(kind, params, dtype, d))

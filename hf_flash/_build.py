@@ -72,6 +72,10 @@ def sources(root: Path, disabled: Sequence[str] = ()) -> list[Path]:
     files = [p for pattern in ("*.cpp", "*.cu") for p in root.glob(pattern)]
     files += [p for name, folders in FAMILIES.items() if name not in disabled
               for folder in folders for p in (root / folder).glob("**/*.cu")]
+    stems = [p.stem for p in files]  # torch's ninja build names each object after its file's stem
+    clashes = sorted({s for s in stems if stems.count(s) > 1})
+    if clashes:
+        raise RuntimeError(f"kernel sources must have unique file names, these repeat: {clashes}")
     return sorted(files)
 
 
