@@ -10,6 +10,7 @@
 #include <torch/library.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -126,7 +127,9 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
     p.b = cu_seqlens_q->numel() - 1;
     p.cu_seqlens_q = cu_seqlens_q->data_ptr<int>();
     p.cu_seqlens_k = cu_seqlens_k->data_ptr<int>();
-    p.seqlen_q = max_seqlen_q; p.seqlen_k = max_seqlen_k;
+    // A sequence has at most the tensor's rows: bounds the grids whatever max_seqlen says (values unchecked).
+    p.seqlen_q = int(std::clamp<int64_t>(max_seqlen_q, 0, q.size(0)));
+    p.seqlen_k = int(std::clamp<int64_t>(max_seqlen_k, 0, k.size(0)));
     p.total_q = q.size(0);
     p.total_k = k.size(0);
     p.lse_batch_stride = 0; p.lse_head_stride = lse.stride(0);
@@ -192,6 +195,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(
   FwdParams p;
   fill_common(p, qk, kk, vk, o.kernel, lse, cu_q, cu_k, c10::nullopt, max_seqlen_q, max_seqlen_k, softmax_scale,
               causal, window_left, window_right, softcap, alibi, dropout_p, rng_state);
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) return {o.out.zero_(), lse.fill_(INFINITY)};  // no row sees a key
 #ifdef HF_FLASH_DISABLE_FORWARD
   TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_FORWARD=1");
 #else
@@ -291,6 +295,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   strides(dk.kernel, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
   strides(dv.kernel, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
   p.deterministic = deterministic;
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) return {dq.out.zero_(), dk.out.zero_(), dv.out.zero_()};
 #ifdef HF_FLASH_DISABLE_BACKWARD
   TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_BACKWARD=1");
 #else

@@ -228,6 +228,8 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax
     out, lse = batch.forward()
     if cu_seqlens_q is not None:  # (B, H, S) -> (H, T)
         lse = lq.unpad(lse[..., None], q.new_empty(q.shape[0], q.shape[1], 1, dtype=lse.dtype))[..., 0].T
+    if q.numel() == 0:  # no rows to scatter into: keep the empty output in the autograd graph, as the kernels do
+        return q * 0, lse.float().contiguous()
     return lq.unpad(out, q), lse.float().contiguous()
 
 

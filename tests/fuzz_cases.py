@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from hf_flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, reference
+from hf_flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, ops, reference
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 # One unit in the last place at 1.0: the rounding of a single output element.
@@ -285,9 +285,9 @@ def _ours(case: Case, x: _Inputs, q, k, v):
     if case.dropout > 0:
         cu_q, cu_k = (x.cu_q, x.cu_k) if case.kind == "varlen" else (None, None)
         scale = case.d**-0.5 if case.scale is None else case.scale
-        return torch.ops.hf_flash.fwd(q, k, v, cu_q, cu_k, None, max(case.lens_q), max(case.lens_k), scale,
-                                      case.causal, case.window[0], case.window[1], case.softcap, x.slopes,
-                                      case.dropout, x.rng_state, case.deterministic)[0]
+        return ops.run_fwd(q, k, v, cu_q, cu_k, max(case.lens_q), max(case.lens_k), scale, case.causal,
+                           case.window[0], case.window[1], case.softcap, x.slopes, case.dropout, x.rng_state,
+                           case.deterministic)[0]
     kw = dict(softmax_scale=case.scale, causal=case.causal, window_size=case.window, softcap=case.softcap,
               alibi_slopes=x.slopes, deterministic=case.deterministic)
     if case.kind == "dense":

@@ -10,7 +10,7 @@ stored (B, H_k, S, D) and passed transposed, as transformers keeps them.
 import pytest
 import torch
 
-from hf_flash import flash_attn_with_kvcache, reference
+from hf_flash import checks, flash_attn_with_kvcache, reference
 from hf_flash.reference import naive_attention
 from helpers import assert_close, assert_lse, poison_allocator, randn
 
@@ -177,7 +177,9 @@ def test_cuda_graph_capture_and_replay():
         torch.testing.assert_close(out, eager, atol=0, rtol=0)
 
 
-def test_no_host_sync():
+def test_no_host_sync(monkeypatch):
+    """The default path (values unchecked: HF_FLASH_CHECK unset) never syncs."""
+    monkeypatch.setattr(checks, "CHECK_VALUES", False)
     q, k_cache, v_cache, k_new, v_new, seqlens, leftpad = _decode_inputs()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
