@@ -214,7 +214,6 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const c10::optional<at::Tensor>& cache_leftpad, double softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
   check_qkv(q, k_cache, v_cache, false);
-  TORCH_CHECK_VALUE(k_cache.size(0) == q.size(0), "hf_flash: k_cache and q batch sizes differ");
   TORCH_CHECK_VALUE(num_splits >= 0, "hf_flash: num_splits must be >= 0");
   TORCH_CHECK_TYPE(cache_seqlens.is_cuda() && cache_seqlens.scalar_type() == at::kInt &&
                        cache_seqlens.numel() == q.size(0),
