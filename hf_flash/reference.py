@@ -122,7 +122,7 @@ class _Batch:
     def forward(self):
         m = torch.full(self.q.shape[:3], -math.inf, dtype=self.q.dtype, device=self.q.device)
         l = torch.zeros_like(m)
-        acc = torch.zeros_like(self.q)
+        acc = self.q * 0  # not zeros_like: with no key at all the output must still be in the autograd graph
         for cols in self.blocks():
             s, _ = self.scores(cols)
             m_new = torch.maximum(m, s.amax(-1).detach())  # a stabiliser: out and lse do not depend on it
