@@ -60,8 +60,8 @@ if has generate; then
     | tee "$OUT/generate.log" | tail -20
 fi
 if has profile; then  # top CUDA kernels of a training step and of a long-prompt generate, hf_flash next to sdpa
-  timeout 300 python3 tools/profile.py > "$OUT/e2e_profile.txt" 2>&1; grep "^== " "$OUT/e2e_profile.txt"
-  timeout 300 python3 tools/profile.py --generate 1x16384 > "$OUT/generate_profile.txt" 2>&1
+  timeout 300 python3 tools/step_profile.py > "$OUT/e2e_profile.txt" 2>&1; grep "^== " "$OUT/e2e_profile.txt"
+  timeout 300 python3 tools/step_profile.py --generate 1x16384 > "$OUT/generate_profile.txt" 2>&1
   grep "^== " "$OUT/generate_profile.txt"
 fi
 if has multigpu; then  # one GPU vs data parallel on two at the same global batch (NCCL NVLink multicast stays off)

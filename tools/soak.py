@@ -16,6 +16,7 @@ under a second on a GPU) and the plot past it. On CPU it runs a tiny model on th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import random
 import sys
@@ -39,7 +40,9 @@ def build_model(device: str):
                          head_dim=64 if small else 32, max_position_embeddings=4096, pad_token_id=0,
                          bos_token_id=1, eos_token_id=None, attn_implementation="hf_flash")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device)
+    # bf16 weights on the GPU (the kernels' dtype): a static cache takes the model's dtype, so fp32 weights under
+    # autocast would hand it bf16 keys to store in an fp32 buffer.
+    model = LlamaForCausalLM(config).to(device, torch.bfloat16 if small else torch.float32)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None  # random weights: always generate max_new_tokens
     return model
@@ -54,7 +57,7 @@ class Soak:
         gpu = device == "cuda"
         self.lengths = (17, 64, 127, 256, 511, 1024) if gpu else (5, 16, 33)
         self.batches = (1, 2, 4) if gpu else (1, 2)
-        self.autocast = torch.autocast("cuda", dtype=torch.bfloat16) if gpu else torch.autocast("cpu", enabled=False)
+        self.autocast = contextlib.nullcontext()  # the model already runs in the kernels' dtype
 
     def tokens(self, *shape):
         return torch.randint(2, self.vocab, shape, device=self.device)

@@ -1,7 +1,7 @@
 """Where a training step's or a generate call's time goes, hf_flash next to sdpa (device only).
 
-    python tools/profile.py [--shape 2x4096] [--backends hf_flash,sdpa]
-    python tools/profile.py --generate 1x16384 [--new-tokens 16]
+    python tools/step_profile.py [--shape 2x4096] [--backends hf_flash,sdpa]
+    python tools/step_profile.py --generate 1x16384 [--new-tokens 16]
 
 Same model and inputs as ``python -m hf_flash.bench e2e`` / ``generate`` (dynamic
 cache); 3 warm-up runs, then the profiler over 3: wall and CUDA time per run and
