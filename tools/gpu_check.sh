@@ -1,7 +1,7 @@
 #!/bin/bash
 # The whole product on one GPU machine: build, every GPU test, the demo, the
 # convergence example, kernel and end-to-end benchmarks. Pick stages with
-#   STAGES="build test sanitize demo converge kernels decode generate e2e profile" bash tools/gpu_check.sh
+#   STAGES="build test sanitize fuzz soak demo converge kernels decode generate e2e profile" bash tools/gpu_check.sh
 # (a warm machine keeps the build); STAGES="build multigpu" on a machine with
 # 2+ GPUs. Logs and CSV/PNG go to $OUT (or out/).
 # Needs .data/tinyshakespeare.txt and the .whl wheels (datasets) carried along.
@@ -35,6 +35,13 @@ if has sanitize; then  # every kernel family under memcheck, the shared-memory p
     timeout 300 compute-sanitizer --tool $1 python3 tools/sanitize.py --family $2 2>&1 | tee "$OUT/$1.log" \
       | grep -E "ERROR SUMMARY|RACECHECK SUMMARY" | sed "s/^/$1: /"
   done
+fi
+if has fuzz; then  # the property-based fuzzer on the kernels (>= 2000 cases), then its fixed seeds under the sanitizers
+  OUT="$OUT" bash tools/fuzz_gpu.sh fuzz
+  for tool in memcheck racecheck initcheck; do OUT="$OUT" CASES=${FUZZ_SANITIZE_CASES:-12} bash tools/fuzz_gpu.sh $tool; done
+fi
+if has soak; then  # 8 minutes of training and generation in one process, memory_allocated() traced
+  OUT="$OUT" bash tools/fuzz_gpu.sh soak
 fi
 if has demo; then
   timeout 120 python3 -m hf_flash demo 2>&1 | tr '\r' '\n' | grep -v "it/s\]\|s/it\]" | tee "$OUT/demo.log" | tail -12
