@@ -90,7 +90,10 @@ def run_fwd(*args, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         return reference.fwd(*args, sinks=sinks)
     if sinks is None:
         return torch.ops.hf_flash.fwd.default(*args)
-    return SinkAttention.apply(torch.ops.hf_flash.fwd.default, torch.ops.hf_flash.bwd.default, sinks, *args)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*args[:3], sinks)):
+        return SinkAttention.apply(torch.ops.hf_flash.fwd.default, torch.ops.hf_flash.bwd.default, sinks, *args)
+    out, lse = torch.ops.hf_flash.fwd.default(*args)  # inference: only the rescale
+    return _rescale(out, lse, sinks, varlen=args[3] is not None)
 
 
 def run_fwd_kvcache(*args, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -98,7 +101,7 @@ def run_fwd_kvcache(*args, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tens
     if not uses_kernels(args[0]):
         return reference.fwd_kvcache(*args, sinks=sinks)
     out, lse = torch.ops.hf_flash.fwd_kvcache.default(*args)
-    return out, lse if sinks is None else _rescale(out, lse, sinks, varlen=False)
+    return (out, lse) if sinks is None else _rescale(out, lse, sinks, varlen=False)
 
 
 def _rescale(out: Tensor, lse: Tensor, sinks: Tensor, varlen: bool) -> tuple[Tensor, Tensor]:
@@ -121,15 +124,16 @@ class SinkAttention(torch.autograd.Function):
         out, lse = fwd(*args)
         varlen = args[3] is not None
         out, total = _rescale(out, lse, sinks, varlen)
-        ctx.bwd, ctx.args, ctx.varlen = bwd, args, varlen
-        ctx.save_for_backward(out, total, sinks)
+        ctx.bwd, ctx.varlen = bwd, varlen
+        ctx.constants = [None if isinstance(a, Tensor) else a for a in args]
+        ctx.save_for_backward(out, total, sinks, *(a if isinstance(a, Tensor) else None for a in args))
         ctx.mark_non_differentiable(total)
         return out, total
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        out, total, sinks = ctx.saved_tensors
-        args = ctx.args
+        out, total, sinks, *tensors = ctx.saved_tensors
+        args = [c if t is None else t for t, c in zip(tensors, ctx.constants)]
         dout = dout.contiguous()
         dq, dk, dv = ctx.bwd(dout, *args[:3], out, total, *args[3:])
         delta = (dout.float() * out.float()).sum(-1)  # (B, S, H) / (T, H)
