@@ -211,7 +211,7 @@ def _is_cross_attention(module, is_causal: bool) -> bool:
     return "CrossAttention" in type(module).__name__ or (getattr(module, "is_decoder", False) and not is_causal)
 
 
-def _cross_attention(query, key, value, key_mask, dropout: float, scaling, softcap, sinks):
+def _cross_attention(query, key, value, key_mask, dropout: float, scaling, softcap, sinks=None):
     """Every query row attends to the unpadded keys of its batch row, as eager does.
 
     transformers' flash wrapper would unpad the queries with the encoder's key mask (sliced to the query
