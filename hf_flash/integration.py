@@ -36,13 +36,14 @@ MIN_TRANSFORMERS = (5, 17)
 
 # Keyword arguments a model's attention call may pass by name that hf_flash carries: the call's tensors, what
 # transformers' flash wrapper hands to the kernels (scale, dropout, causality, window, softcap, varlen layout),
-# and flags checked per call. A model whose attention call passes any other keyword (a score term: sinks=,
-# s_aux=, position_bias=, a sparse indexer's indices=) refuses at load, since the wrapper would silently drop
-# it (``hf_flash.patches.check_supported``). Carrying a new score term is adding its name here.
+# flags checked per call, and learned attention sinks (s_aux, which the wrapper passes as learnable_sink). A
+# model whose attention call passes any other keyword (a score term: sinks=, position_bias=, a sparse indexer's
+# indices=) refuses at load, since the wrapper would silently drop it (``hf_flash.patches.check_supported``).
+# Carrying a new score term is adding its name here.
 CARRIED_ATTENTION_KWARGS = frozenset({
     "module", "query", "key", "value", "attention_mask", "scaling", "dropout", "is_causal", "sliding_window",
     "softcap", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "deterministic",
-    "output_attentions",
+    "output_attentions", "s_aux",
 })
 
 
@@ -52,10 +53,6 @@ class UnsupportedAttentionError(ValueError):
 
 def attention_forward(module, query, key, value, attention_mask, **kwargs):
     """The function transformers calls for every attention layer (AttentionInterface)."""
-    if kwargs.get("s_aux") is not None:
-        raise UnsupportedAttentionError(
-            f"hf_flash does not support attention sinks (s_aux), used by {type(module).__name__}; "
-            "load this model with attn_implementation='eager' or 'sdpa'")
     for extra in ("sinks", "position_bias"):  # score terms the flash wrapper would silently drop (inkling)
         if kwargs.get(extra) is not None:
             raise UnsupportedAttentionError(
@@ -72,7 +69,7 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if attention_mask is not None and _is_cross_attention(module, is_causal):
         return _cross_attention(query, key, value, attention_mask, kwargs.get("dropout", 0.0), kwargs.get("scaling"),
-                                kwargs.get("softcap"))
+                                kwargs.get("softcap"), kwargs.get("s_aux"))
     if is_causal and _is_decode_step(module, query, key, value, attention_mask, kwargs):
         ranges = _key_ranges(attention_mask, query)
         if ranges is not None:
@@ -188,7 +185,7 @@ def _decode(query, key, value, start, end, bad, kwargs):
     out, _ = ops.run_fwd_kvcache(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), end, start,
         query.shape[-1] ** -0.5 if scale is None else float(scale), True, -1 if window is None else window - 1, 0,
-        float(kwargs.get("softcap") or 0.0), None, 0)
+        float(kwargs.get("softcap") or 0.0), None, 0, sinks=_sinks(kwargs.get("s_aux"), query))
     return out if bad is None else out.masked_fill(bad[:, None, None, None], float("nan"))
 
 
@@ -214,7 +211,7 @@ def _is_cross_attention(module, is_causal: bool) -> bool:
     return "CrossAttention" in type(module).__name__ or (getattr(module, "is_decoder", False) and not is_causal)
 
 
-def _cross_attention(query, key, value, key_mask, dropout: float, scaling, softcap):
+def _cross_attention(query, key, value, key_mask, dropout: float, scaling, softcap, sinks=None):
     """Every query row attends to the unpadded keys of its batch row, as eager does.
 
     transformers' flash wrapper would unpad the queries with the encoder's key mask (sliced to the query
@@ -227,8 +224,14 @@ def _cross_attention(query, key, value, key_mask, dropout: float, scaling, softc
     out = interface.flash_attn_varlen_func(
         query.transpose(1, 2).reshape(b * sq, h, d), key.transpose(1, 2)[valid], value.transpose(1, 2)[valid],
         cu_seqlens_q, cu_seqlens_k, sq, int(lengths.max()), dropout_p=dropout, softmax_scale=scaling, causal=False,
-        softcap=softcap or 0.0)
+        softcap=softcap or 0.0, learnable_sink=_sinks(sinks, query))
     return out.view(b, sq, h, -1), None
+
+
+def _sinks(s_aux, query):
+    """A model's learned sinks as the kernels take them: float32 kept, else in the query's dtype (as
+    transformers' wrapper passes them)."""
+    return s_aux if s_aux is None or s_aux.dtype == torch.float32 else s_aux.to(query.dtype)
 
 
 def _kernels():

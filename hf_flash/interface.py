@@ -79,6 +79,22 @@ def _check_options(q, dropout_p, window_size, softcap, alibi_slopes, batch: int)
     return wl, wr
 
 
+def _check_sinks(q: Tensor, learnable_sink) -> None:
+    """Learned attention sinks: one logit per query head, float32 or q's dtype (transformers casts gpt-oss's
+    ``s_aux`` to q's dtype), on q's device."""
+    if learnable_sink is None:
+        return
+    if not isinstance(learnable_sink, Tensor) or learnable_sink.dtype not in (torch.float32, q.dtype):
+        got = learnable_sink.dtype if isinstance(learnable_sink, Tensor) else type(learnable_sink).__name__
+        raise TypeError(f"learnable_sink must be a float32 or {q.dtype} tensor, got {got}")
+    h = q.shape[-2]
+    if tuple(learnable_sink.shape) != (h,):
+        raise ValueError(f"learnable_sink must have shape ({h},) (one logit per query head), "
+                         f"got {tuple(learnable_sink.shape)}")
+    if learnable_sink.device != q.device:
+        raise ValueError(f"learnable_sink must be on {q.device}, got {learnable_sink.device}")
+
+
 def _rng_state(q: Tensor, dropout_p: float) -> Optional[Tensor]:
     """Philox (seed, offset) drawn from torch's generator: reproducible under
     torch.manual_seed, graph-capturable, and saved for the backward."""
@@ -92,10 +108,11 @@ def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
 
 
 def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-         deterministic, return_attn_probs):
+         deterministic, return_attn_probs, learnable_sink):
+    _check_sinks(q, learnable_sink)
     out, lse = ops.run_fwd(q, k, v, cu_q, cu_k, max_q, max_k, _scale(q, softmax_scale), bool(causal), window[0],
                            window[1], float(softcap), alibi_slopes, float(dropout_p), _rng_state(q, dropout_p),
-                           bool(deterministic))
+                           bool(deterministic), sinks=learnable_sink)
     if return_attn_probs:
         return out, lse, None  # flash-attn's third value (the P matrix) is testing-only; never materialised
     return out
@@ -104,9 +121,11 @@ def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, wi
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                    return_attn_probs: bool = False):
+                    return_attn_probs: bool = False, learnable_sink: Optional[Tensor] = None):
     """Attention on ``(B, S, H, D)`` tensors. With ``return_attn_probs=True``
-    returns ``(out, lse, None)``, lse being float32 ``(B, H, Sq)``."""
+    returns ``(out, lse, None)``, lse being float32 ``(B, H, Sq)``. ``learnable_sink`` (H,): learned attention
+    sinks (gpt-oss), one logit per query head in each row's softmax denominator, with a gradient; the LSE
+    returned then includes it."""
     if not _checked_by_op(q):
         _check_qkv(q, k, v, 4)
         checks.note_reference_dtype(q)
@@ -114,7 +133,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
             raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, q.shape[0])
     return _run(q, k, v, None, None, q.shape[1], k.shape[1], dropout_p, softmax_scale, causal, window,
-                softcap, alibi_slopes, deterministic, return_attn_probs)
+                softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
 
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -122,9 +141,11 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                           return_attn_probs: bool = False, block_table: Optional[Tensor] = None):
+                           return_attn_probs: bool = False, block_table: Optional[Tensor] = None,
+                           learnable_sink: Optional[Tensor] = None):
     """Attention on packed ``(total_tokens, H, D)`` tensors; sequence ``b`` is
-    rows ``cu_seqlens[b]:cu_seqlens[b+1]``. LSE is float32 ``(H, total_q)``."""
+    rows ``cu_seqlens[b]:cu_seqlens[b+1]``. LSE is float32 ``(H, total_q)``. ``learnable_sink``: as in
+    ``flash_attn_func``."""
     if not _checked_by_op(q):
         _check_qkv(q, k, v, 3)
         checks.note_reference_dtype(q)
@@ -141,7 +162,7 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen[1], q.device, batch)
     window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, batch)
     return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
-                softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs)
+                softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink)
 
 
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
@@ -151,7 +172,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             block_table: Optional[Tensor] = None, softmax_scale: Optional[float] = None,
                             causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: Optional[Tensor] = None,
-                            num_splits: int = 0, return_softmax_lse: bool = False):
+                            num_splits: int = 0, return_softmax_lse: bool = False,
+                            learnable_sink: Optional[Tensor] = None):
     """Decode/prefill against a KV cache ``(B, S_cache, H_k, D)`` (inference only).
 
     The cache may be a strided view (e.g. a ``(B, H_k, S_cache, D)`` cache transposed) and longer than
@@ -161,7 +183,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     is where each row's keys start (left padding), so row ``b`` attends to cache rows
     ``[cache_leftpad[b], end[b])``; causal masks and windows align bottom-right to that range.
     ``num_splits`` splits the keys of short queries across thread blocks on the GPU: 0 = automatic,
-    1 = no split.
+    1 = no split. ``learnable_sink``: as in ``flash_attn_func``.
     """
     _check_qkv(q, k_cache, v_cache, 4)
     checks.note_reference_dtype(q)
@@ -193,6 +215,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         raise ValueError(f"num_splits must be an int >= 0 (0 = automatic, 1 = no split), got {num_splits!r}")
     checks.cache_ranges(seqlens, cache_leftpad, s_new, s_cache)  # before the append writes at those rows
     window = _check_options(q, 0.0, window_size, softcap, alibi_slopes, b)
+    _check_sinks(q, learnable_sink)
     if k is not None:
         pos = seqlens[:, None].long() + torch.arange(s_new, device=q.device)  # (B, S_new)
         rows = torch.arange(b, device=q.device)[:, None].expand_as(pos)
@@ -201,5 +224,6 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
         seqlens = seqlens + s_new
     with torch.no_grad():
         out, lse = ops.run_fwd_kvcache(q, k_cache, v_cache, seqlens, cache_leftpad, _scale(q, softmax_scale),
-                                       bool(causal), window[0], window[1], float(softcap), alibi_slopes, num_splits)
+                                       bool(causal), window[0], window[1], float(softcap), alibi_slopes, num_splits,
+                                       sinks=learnable_sink)
     return (out, lse) if return_softmax_lse else out

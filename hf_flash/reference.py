@@ -218,14 +218,34 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args):
     return lq, lk, _Batch(lq.pad(q), lk.pad(k), lk.pad(v), len_q, len_k, args)
 
 
+def sink_rescale(lse, sinks, head_dim: int):
+    """Learned attention sinks (gpt-oss ``s_aux``: one logit per head that joins each row's softmax denominator
+    and adds no value), applied to a finished attention result: returns ``(L, factor)`` with
+    ``L = logaddexp(lse, sink)`` the row's new log-sum-exp and ``factor = exp(lse - L)`` what its output is
+    multiplied by. A row with no visible key (lse = +inf) gets ``L = sink`` and factor 0. ``sinks`` (H,) is
+    broadcast along ``head_dim`` of ``lse``; math in lse's dtype. Differentiable (the reference path), and the
+    rule the kernel path (``hf_flash.ops``) applies to the kernels' output."""
+    shape = [1] * lse.dim()
+    shape[head_dim] = -1
+    sink = sinks.to(lse.dtype).view(shape)
+    visible = torch.where(lse == math.inf, -math.inf, lse)
+    total = torch.logaddexp(visible, sink)
+    return total, torch.exp(visible - total)
+
+
 def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
-        window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic=False, *, seqused_k=None):
+        window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic=False, *, seqused_k=None,
+        sinks=None):
     """Forward: returns out (like q) and lse (float32; (B, H, Sq) dense, (H, T) varlen). Differentiable by
     autograd (the dropout mask is a function of rng_state, so the backward sees the forward's). ``seqused_k``
-    (B,): valid keys per row of a KV cache (fwd_kvcache)."""
+    (B,): valid keys per row of a KV cache (fwd_kvcache). ``sinks`` (H,): learned attention sinks
+    (``sink_rescale``); the LSE returned then includes them."""
     args = (softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
     lq, _, batch = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args)
     out, lse = batch.forward()
+    if sinks is not None:
+        lse, factor = sink_rescale(lse, sinks, 1)
+        out = out * factor[..., None]
     if cu_seqlens_q is not None:  # (B, H, S) -> (H, T)
         lse = lq.unpad(lse[..., None], q.new_empty(q.shape[0], q.shape[1], 1, dtype=lse.dtype))[..., 0].T
     if q.numel() == 0:  # no rows to scatter into: keep the empty output in the autograd graph, as the kernels do
@@ -234,7 +254,7 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax
 
 
 def fwd_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_left, window_right,
-                softcap, alibi_slopes, num_splits):
+                softcap, alibi_slopes, num_splits, sinks=None):
     """Forward against a KV cache: row b's keys are cache rows [cache_leftpad[b], cache_seqlens[b]), masks
     aligned to that row's key count. ``num_splits`` only steers the CUDA kernel."""
     end = cache_seqlens.long()
@@ -246,7 +266,7 @@ def fwd_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale
         index = pos[:, :, None, None].expand(-1, -1, *k_cache.shape[2:])
         k_cache, v_cache = k_cache.gather(1, index), v_cache.gather(1, index)
     return fwd(q, k_cache, v_cache, None, None, q.shape[1], k_cache.shape[1], softmax_scale, causal, window_left,
-               window_right, softcap, alibi_slopes, 0.0, None, seqused_k=(end - start).clamp(min=0))
+               window_right, softcap, alibi_slopes, 0.0, None, seqused_k=(end - start).clamp(min=0), sinks=sinks)
 
 
 def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
@@ -262,11 +282,12 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 
 def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, key_padding_mask=None, dropout_keep_mask=None, dropout_p=0.0):
+                    alibi_slopes=None, key_padding_mask=None, dropout_keep_mask=None, dropout_p=0.0, sinks=None):
     """Textbook attention on dense (B, S, H, D) tensors, materialising the full
     score matrix in the inputs' dtype: the test oracle for the tiled reference
     and the kernels. ``key_padding_mask`` (B, Sk) bool marks valid keys;
-    ``dropout_keep_mask`` (B, H, Sq, Sk) applies dropout after the softmax."""
+    ``dropout_keep_mask`` (B, H, Sq, Sk) applies dropout after the softmax;
+    ``sinks`` (H,) is an extra logit column per head, in the softmax and dropped after it."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = d**-0.5 if softmax_scale is None else softmax_scale
@@ -286,7 +307,11 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     if key_padding_mask is not None:
         mask = mask & key_padding_mask[:, None, None, :]
     s = s.masked_fill(~mask, -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype)[None, :, None, None].expand(b, h, sq, 1)], dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
+    if sinks is not None:
+        p = p[..., :-1]
     if dropout_keep_mask is not None:
         p = p * dropout_keep_mask.to(p.dtype) / (1 - dropout_p)
     return torch.einsum("bhqk,bkhd->bqhd", p, v)

@@ -18,7 +18,7 @@ the attention interface (codegen and gptj in 5.24), where they run unpatched.
 What a model's attention needs that hf_flash cannot carry is read from its
 code and config at load: keyword arguments its attention call passes beyond
 ``hf_flash.integration.CARRIED_ATTENTION_KWARGS`` (score terms such as
-``sinks=``, ``s_aux=``, ``position_bias=``), head dims above the kernels'
+``sinks=``, ``position_bias=``), head dims above the kernels'
 maximum, attention computed outside the interface. ``REFUSED`` keeps only
 what the code does not show (custom 4-D masks, a drafter's shared cache).
 

@@ -240,16 +240,19 @@ GPU_MODELS = {  # head dims the kernels compile, windows and softcap that bite a
     "mistral": dict(sliding_window=24),
     "gemma2": dict(sliding_window=24, attn_logit_softcapping=20.0, final_logit_softcapping=None,
                    query_pre_attn_scalar=64),
+    "gpt_oss": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
+                    num_experts_per_tok=2),  # learned sinks
 }
 
 
 def _gpu_model(name: str, dtype):
-    config = getattr(transformers, {"llama": "LlamaConfig", "mistral": "MistralConfig", "gemma2": "Gemma2Config"}[name])(
+    config = getattr(transformers, {"llama": "LlamaConfig", "mistral": "MistralConfig", "gemma2": "Gemma2Config",
+                                     "gpt_oss": "GptOssConfig"}[name])(
         vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, max_position_embeddings=16384, initializer_range=0.05, pad_token_id=0,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **GPU_MODELS[name])
     model_cls = getattr(transformers, {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                       "gemma2": "Gemma2ForCausalLM"}[name])
+                                       "gemma2": "Gemma2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}[name])
     torch.manual_seed(0)
     return model_cls._from_config(config, attn_implementation="hf_flash", dtype=dtype).cuda().eval()
 

@@ -144,7 +144,7 @@ def _module_with_attention_call(tmp_path, monkeypatch, name: str, call: str):
     return type("FakeForCausalLM", (), {"__module__": module.__name__})
 
 
-@pytest.mark.parametrize("term", ["sinks", "s_aux", "position_bias", "some_new_score_term"])
+@pytest.mark.parametrize("term", ["sinks", "position_bias", "some_new_score_term"])
 def test_score_terms_detected_from_the_models_code(term, tmp_path, monkeypatch):
     """A keyword the attention call passes beyond what hf_flash carries refuses at load, for any model type;
     carrying it is adding its name to ``CARRIED_ATTENTION_KWARGS``."""
@@ -253,8 +253,15 @@ def test_model_pinning_flash_kernels_keeps_hf_flash(kernel_calls):
     assert kernel_calls["fwd"] == config.num_hidden_layers
 
 
+def test_learned_sinks_are_carried():
+    """gpt-oss's learned sinks (s_aux) are a score term hf_flash carries: its attention call passes the check."""
+    from hf_flash import integration
+
+    assert "s_aux" in integration.CARRIED_ATTENTION_KWARGS
+
+
 def test_sink_and_bias_models_refuse_at_load():
-    for model_type in ("gpt_oss", "inkling_text", "inkling2_text", "inkling2_loop_text", "flint"):
+    for model_type in ("inkling_text", "inkling2_text", "inkling2_loop_text", "flint"):
         try:
             config = tiny_config(model_type)
         except KeyError:  # not in this transformers version

@@ -174,3 +174,132 @@ def test_kvcache_appends_and_attends_to_valid_prefix():
         assert torch.equal(k_cache[i, n:n + 2], k_new[i]) and torch.equal(k_cache[i, :n], k_before[i, :n])
         ref = naive_attention(q[i:i + 1], k_cache[i:i + 1, :n + 2], v_cache[i:i + 1, :n + 2], causal=True)
         assert_close(out[i:i + 1], ref, 1e-5, f"row {i}")
+
+
+# ------------------------------------------------------------------------------- learned attention sinks
+
+def _sink_naive_lse(q, k, sinks, causal, window):
+    """log(sum of visible exp(scores) + exp(sink)) per (B, H, Sq), from naive_attention's own math."""
+    b, sq, h, d = q.shape
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(h // k.shape[2], dim=2)) * d**-0.5
+    rows, cols = torch.arange(sq), torch.arange(k.shape[1])
+    mask = reference._visible(rows, cols, sq, k.shape[1], window[0], 0 if causal else window[1])
+    s = s.masked_fill(~mask, -math.inf)
+    return torch.logaddexp(torch.logsumexp(s, -1), sinks[None, :, None])
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,window,softcap", [GRID[0], GRID[2], GRID[4], GRID[5], GRID[6], GRID[9]])
+def test_sinks_match_naive_float64(b, sq, sk, h, hk, d, causal, window, softcap):
+    """Learned sinks: forward, LSE (the sink included; the sink alone on rows with no visible key) and the
+    gradients of q, k, v and the sinks, against the sink as an extra softmax column."""
+    torch.manual_seed(0)
+    q, k, v, sinks = rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d), rand(h)
+    opts = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, learnable_sink=sinks, **opts)
+    ref = naive_attention(q, k, v, sinks=sinks, **opts)
+    assert_close(out, ref, 1e-10, "out")
+    assert not torch.equal(out, naive_attention(q, k, v, **opts))  # the sinks matter
+    if softcap == 0:
+        assert_close(lse.double(), _sink_naive_lse(q, k, sinks, causal, window).detach(), 1e-5, "lse")
+    dout = torch.randn_like(out)
+    for name, g, g_ref in zip(["q", "k", "v", "sinks"], grads(out, (q, k, v, sinks), dout),
+                              grads(ref, (q, k, v, sinks), dout)):
+        assert_close(g, g_ref, 1e-9 * max(1.0, g_ref.abs().max().item()), f"d{name}")
+
+
+def test_sinks_on_fully_masked_rows_give_zero_output_and_the_sink_lse():
+    q, k, v, sinks = rand(1, 6, 2, 8), rand(1, 3, 2, 8), rand(1, 3, 2, 8), rand(2)
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, learnable_sink=sinks)
+    empty = slice(0, 3)  # sq > sk, bottom-right causal: the first 3 rows see no key
+    assert torch.equal(out[:, empty], torch.zeros_like(out[:, empty]))
+    assert torch.allclose(lse[0, :, empty], sinks.float().detach()[:, None].expand(2, 3))
+    dq, dsinks = grads(out, (q, sinks), torch.randn_like(out))
+    assert torch.equal(dq[:, empty], torch.zeros_like(dq[:, empty])) and torch.isfinite(dsinks).all()
+
+
+@pytest.mark.parametrize("causal,window,hk", [(True, (-1, -1), 2), (False, (-1, -1), 4), (True, (8, 0), 1)])
+def test_sinks_varlen_match_per_sequence(causal, window, hk):
+    torch.manual_seed(3)
+    batch, h, d = 4, 4, 16
+    cu_q, len_q = _random_cu_seqlens(batch, 40)
+    cu_k, len_k = _random_cu_seqlens(batch, 50)
+    q, k, v, sinks = rand(int(cu_q[-1]), h, d), rand(int(cu_k[-1]), hk, d), rand(int(cu_k[-1]), hk, d), rand(h)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, int(len_q.max()), int(len_k.max()), causal=causal,
+                                 window_size=window, learnable_sink=sinks)
+    dout = torch.randn_like(out)
+    dq, dk, dv, dsinks = grads(out, (q, k, v, sinks), dout)
+    dsinks_ref = torch.zeros_like(dsinks)
+    for i in range(batch):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        if qs.stop == qs.start:
+            continue
+        args = [t[None].detach().requires_grad_() for t in (q[qs], k[ks], v[ks])] + [sinks.detach().requires_grad_()]
+        ref = naive_attention(*args[:3], causal=causal, window_size=window, sinks=args[3])
+        assert_close(out[qs], ref[0], 1e-10, f"out[seq {i}]")
+        g_ref = grads(ref, args, dout[qs][None])
+        for name, g, gr, sl in zip("qkv", (dq, dk, dv), g_ref, (qs, ks, ks)):
+            assert_close(g[sl], gr[0], 1e-9 * max(1.0, gr.abs().max().item() if gr.numel() else 1.0),
+                         f"d{name}[seq {i}]")
+        dsinks_ref += g_ref[3]
+    assert_close(dsinks, dsinks_ref, 1e-9 * max(1.0, dsinks_ref.abs().max().item()), "dsinks")
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_sink_rescale_of_the_kernel_path_matches_the_reference(varlen):
+    """The kernel path (ops.SinkAttention: the plain forward rescaled, the plain backward run on the rescaled
+    output and LSE, d sink from D = rowsum(dO * O)) run on the reference's twins of the ops, against the
+    reference differentiated by autograd. Only the float32 LSE between the two halves limits agreement."""
+    from hf_flash import ops
+
+    torch.manual_seed(5)
+    h, hk, d = 4, 2, 16
+    if varlen:
+        cu_q = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+        cu_k = torch.tensor([0, 9, 11, 11], dtype=torch.int32)  # the last sequence has no key
+        q, k, v = rand(12, h, d), rand(11, hk, d), rand(11, hk, d)
+        args = (q, k, v, cu_q, cu_k, 7, 9, d**-0.5, True, 3, -1, 0.0, None, 0.0, None, False)
+    else:
+        q, k, v = rand(2, 9, h, d), rand(2, 6, hk, d), rand(2, 6, hk, d)
+        args = (q, k, v, None, None, 9, 6, d**-0.5, True, -1, -1, 0.0, None, 0.0, None, False)
+    sinks = rand(h)
+    out, lse = ops.SinkAttention.apply(reference.fwd, reference.bwd, sinks, *args)
+    ref, ref_lse = reference.fwd(*args, sinks=sinks)
+    assert_close(out, ref, 1e-6, "out")
+    assert_close(lse, ref_lse, 1e-6, "lse")
+    dout = torch.randn_like(out)
+    for name, g, g_ref in zip(["q", "k", "v", "sinks"], grads(out, (q, k, v, sinks), dout),
+                              grads(ref, (q, k, v, sinks), dout)):
+        assert_close(g, g_ref, 2e-5 * max(1.0, g_ref.abs().max().item()), f"d{name}")
+
+
+def test_kvcache_with_sinks():
+    torch.manual_seed(2)
+    b, s_cache, h, hk, d = 3, 32, 4, 2, 16
+    k_cache, v_cache = torch.randn(b, s_cache, hk, d, dtype=F64), torch.randn(b, s_cache, hk, d, dtype=F64)
+    q, sinks = torch.randn(b, 2, h, d, dtype=F64), torch.randn(h, dtype=F64)
+    seqlens = torch.tensor([7, 0, 30], dtype=torch.int32)
+    leftpad = torch.tensor([2, 0, 0], dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, cache_leftpad=leftpad,
+                                       causal=True, window_size=(4, 0), learnable_sink=sinks,
+                                       return_softmax_lse=True)
+    for i in range(b):
+        lo, hi = int(leftpad[i]), int(seqlens[i])
+        ref = naive_attention(q[i:i + 1], k_cache[i:i + 1, lo:hi], v_cache[i:i + 1, lo:hi], causal=True,
+                              window_size=(4, 0), sinks=sinks)
+        assert_close(out[i:i + 1], ref, 1e-10, f"row {i}")
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # no key: the sink takes the whole row
+    assert torch.allclose(lse[1], sinks.float()[:, None].expand(h, 2))
+
+
+@pytest.mark.parametrize("sinks,error,match", [
+    (torch.zeros(4, dtype=torch.int64), TypeError, "learnable_sink must be a float32"),
+    (torch.zeros(3), ValueError, r"learnable_sink must have shape \(4,\)"),
+    (torch.zeros(2, 4), ValueError, "learnable_sink must have shape"),
+    ([0.0] * 4, TypeError, "learnable_sink"),
+])
+def test_bad_sinks_raise(sinks, error, match):
+    q = torch.randn(1, 3, 4, 8)
+    with pytest.raises(error, match=match):
+        flash_attn_func(q, q, q, learnable_sink=sinks)
+    with pytest.raises(error, match=match):
+        flash_attn_with_kvcache(q, q.clone(), q.clone(), learnable_sink=sinks)

@@ -77,6 +77,11 @@ MODELS = {
                             local_attention=6, global_attn_every_n_layers=LAYERS,  # layer 1 sees +-3 tokens
                             pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2),
                        packs_by_position_ids=False, ablations=({"local_attention": 128},)),
+    # learned attention sinks (s_aux) on alternating windowed and full layers, GQA; sdpa drops the sinks
+    "gpt_oss": Spec("GptOssConfig", "GptOssForCausalLM",
+                    {**DECODER, "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                     "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+                    causal=True, sdpa=False, ablations=({"sliding_window": 64},)),
 }
 CAUSAL = [name for name, spec in MODELS.items() if spec.causal]
 
@@ -280,24 +285,12 @@ def test_output_attentions_fails_clearly():
         model(input_ids=data()[0], output_attentions=True)
 
 
-def test_attention_sinks_raise():
-    """gpt-oss adds learned sinks (s_aux): hf_flash must refuse (at load, or at the latest in the
-    attention call) rather than drop them or hand the model to another kernel."""
-    config = transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-        max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"])
-    torch.manual_seed(0)
-    with pytest.raises((UnsupportedModelError, UnsupportedAttentionError), match="sinks"):
-        model = transformers.GptOssForCausalLM._from_config(config, attn_implementation="hf_flash").eval()
-        model(input_ids=data()[0])
-
-
-def test_attention_function_refuses_sinks():
+def test_attention_function_refuses_other_score_terms():
     q = torch.randn(1, 2, 4, 8)
     module = torch.nn.Module()
-    with pytest.raises(UnsupportedAttentionError, match="sinks"):
-        attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+    for term in ("sinks", "position_bias"):
+        with pytest.raises(UnsupportedAttentionError, match=term):
+            attention_forward(module, q, q, q, None, **{term: torch.zeros(2)})
 
 
 @pytest.mark.parametrize("model_type", ["bart", "m2m_100"])
