@@ -515,3 +515,14 @@ REGRESSIONS: list = [
     Case(kind="dense", dtype="bfloat16", h=1, hk=1, d=32, lens_q=(1,), lens_k=(1,), dropout=0.17),
     Case(kind="dense", dtype="float32", h=1, hk=1, d=100, lens_q=(41, 41), lens_k=(1, 1), softcap=5.0),
 ]
+
+# Found on the H100 (2026-11-25): the deterministic mma.sync backward with softcap lands 6-7% over the error rule
+# on tiny shapes (dk 5.28e-2 vs 4.93e-2; dq 4.78e-3 vs 4.50e-3). Expected failures of the kernel run until that is
+# understood; the reference path passes them.
+KERNEL_XFAIL = [
+    Case(kind="dense", dtype="bfloat16", h=16, hk=4, d=6, lens_q=(1,), lens_k=(3,), causal=True, softcap=5.0,
+         deterministic=True, layout="padded", seed=3),
+    Case(kind="dense", dtype="bfloat16", h=2, hk=2, d=8, lens_q=(214, 214), lens_k=(3, 3), causal=True, softcap=5.0,
+         alibi="bh", deterministic=True, layout="padded", seed=982526257),
+]
+REGRESSIONS += KERNEL_XFAIL
