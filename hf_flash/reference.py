@@ -282,12 +282,15 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 
 def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, key_padding_mask=None, dropout_keep_mask=None, dropout_p=0.0, sinks=None):
+                    alibi_slopes=None, key_padding_mask=None, dropout_keep_mask=None, dropout_p=0.0, sinks=None,
+                    return_lse=False):
     """Textbook attention on dense (B, S, H, D) tensors, materialising the full
     score matrix in the inputs' dtype: the test oracle for the tiled reference
     and the kernels. ``key_padding_mask`` (B, Sk) bool marks valid keys;
     ``dropout_keep_mask`` (B, H, Sq, Sk) applies dropout after the softmax;
-    ``sinks`` (H,) is an extra logit column per head, in the softmax and dropped after it."""
+    ``sinks`` (H,) is an extra logit column per head, in the softmax and dropped after it. ``return_lse``
+    also returns the natural-log LSE (B, H, Sq), kept finite on rows with no visible key so autograd can
+    run through it."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = d**-0.5 if softmax_scale is None else softmax_scale
@@ -307,6 +310,7 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     if key_padding_mask is not None:
         mask = mask & key_padding_mask[:, None, None, :]
     s = s.masked_fill(~mask, -math.inf)
+    empty = ~mask.any(-1, keepdim=True)
     if sinks is not None:
         s = torch.cat([s, sinks.to(s.dtype)[None, :, None, None].expand(b, h, sq, 1)], dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # fully masked rows -> 0
@@ -314,4 +318,5 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         p = p[..., :-1]
     if dropout_keep_mask is not None:
         p = p * dropout_keep_mask.to(p.dtype) / (1 - dropout_p)
-    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return (out, torch.logsumexp(s.masked_fill(empty, 0.0), -1)) if return_lse else out

@@ -16,7 +16,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fuzz_cases import (CPU, GPU, KERNEL_XFAIL, REGRESSIONS, SMALL_GPU, HypothesisSource, RandomSource, draw_bad_case,  # noqa: E402
+from fuzz_cases import (CPU, GPU, REGRESSIONS, SMALL_GPU, HypothesisSource, RandomSource, draw_bad_case,  # noqa: E402
                         draw_case, run_bad_case, run_case)
 
 CPU_EXAMPLES = int(os.environ.get("HF_FLASH_FUZZ_EXAMPLES", "45"))
@@ -57,10 +57,7 @@ def test_fuzz_regressions(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xfail(reason="deterministic + softcap backward "
-                                               "precision, fuzz_cases.KERNEL_XFAIL", strict=False))
-                                  if c in KERNEL_XFAIL else c for c in REGRESSIONS],
-                         ids=lambda c: f"{c.kind}-{c.seed}")
+@pytest.mark.parametrize("case", REGRESSIONS, ids=lambda c: f"{c.kind}-{c.seed}")
 def test_fuzz_regressions_kernels(case):
     run_case(case, "cuda")
 
