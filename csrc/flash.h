@@ -126,7 +126,7 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
 
 // Entry points. They validate nothing (the binding did) and return the CUDA launch status. run_fwd / run_bwd
 // choose the kernel family once (csrc/fwd.cu, csrc/bwd.cu); each family's run_<family> dispatches on
-// (dtype, d) to its generated instantiations (csrc/<family>/generated/).
+// (dtype, d) to its instantiations, generated at build time (csrc/generate_kernels.py).
 // run_fwd picks the Hopper wgmma kernel (run_fwd_sm90) on CC 9.0 for the cases fwd_sm90_supports
 // accepts, the mma.sync kernel (run_fwd_sm80) otherwise (csrc/fwd.cu).
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);

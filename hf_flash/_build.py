@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import os
 import re
@@ -46,7 +47,7 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relax
               # torch's defaults define the __CUDA_NO_HALF/BFLOAT16_* macros; the kernels use those operators
               "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
               "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__")
-HASHED_SUFFIXES = (".cpp", ".cu", ".cuh", ".h", ".hpp")
+HASHED_SUFFIXES = (".cpp", ".cu", ".cuh", ".h", ".hpp", ".py")  # .py: csrc/generate_kernels.py
 OK_FILE = "ok"  # written after a build succeeded; a directory without it is never loaded
 
 
@@ -67,16 +68,31 @@ def disabled_families(environ=os.environ) -> list[str]:
     return [name for name in FAMILIES if environ.get(f"HF_FLASH_DISABLE_{name}") == "1"]
 
 
+def enabled_folders(disabled: Sequence[str] = ()) -> list[str]:
+    return [folder for name, folders in FAMILIES.items() if name not in disabled for folder in folders]
+
+
 def sources(root: Path, disabled: Sequence[str] = ()) -> list[Path]:
     """csrc/*.cpp and csrc/*.cu, plus csrc/<folder>/**/*.cu of every enabled family."""
     files = [p for pattern in ("*.cpp", "*.cu") for p in root.glob(pattern)]
-    files += [p for name, folders in FAMILIES.items() if name not in disabled
-              for folder in folders for p in (root / folder).glob("**/*.cu")]
-    stems = [p.stem for p in files]  # torch's ninja build names each object after its file's stem
+    files += [p for folder in enabled_folders(disabled) for p in (root / folder).glob("**/*.cu")]
+    return sorted(files)
+
+
+def generator(root: Path):
+    """csrc/generate_kernels.py as a module: the instantiation and dispatch files of each family, written into
+    the build directory rather than kept in the source tree."""
+    spec = importlib.util.spec_from_file_location("hf_flash_generate_kernels", root / "generate_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def unique_stems(names: Sequence[str]) -> None:
+    stems = [Path(n).stem for n in names]  # torch's ninja build names each object after its file's stem
     clashes = sorted({s for s in stems if stems.count(s) > 1})
     if clashes:
         raise RuntimeError(f"kernel sources must have unique file names, these repeat: {clashes}")
-    return sorted(files)
 
 
 def parse_archs(text: str) -> tuple[str, ...]:
@@ -120,12 +136,13 @@ def flags(disabled: Sequence[str]) -> tuple[list[str], list[str]]:
     return [*CXX_FLAGS, *defines], [*NVCC_FLAGS, *defines]
 
 
-def source_digest(root: Path, files: Sequence[Path], build_flags: Sequence[str]) -> str:
-    """Hash of every source and header under csrc, the compiled file list and the flags."""
+def source_digest(root: Path, files: Sequence[Path], build_flags: Sequence[str], generated_names=()) -> str:
+    """Hash of every source, header and the generator under csrc, the compiled file list and the flags."""
     h = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.suffix in HASHED_SUFFIXES and p.is_file()):
         h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
-    h.update("\0".join(p.relative_to(root).as_posix() for p in files).encode() + b"\1")
+    names = [p.relative_to(root).as_posix() for p in files] + [f"generated/{n}" for n in generated_names]
+    h.update("\0".join(names).encode() + b"\1")
     h.update("\0".join(build_flags).encode())
     return h.hexdigest()[:16]
 
@@ -184,8 +201,12 @@ class Spec:
         self.root = csrc_dir()
         self.disabled = disabled_families(environ)
         self.sources = sources(self.root, self.disabled)
+        self.generator = generator(self.root)
+        self.kinds = [f for f in enabled_folders(self.disabled) if f in self.generator.FAMILIES]
+        generated = sorted(self.generator.files(self.kinds))
+        unique_stems([p.name for p in self.sources] + generated)
         self.cxx_flags, self.nvcc_flags = flags(self.disabled)
-        self.digest = source_digest(self.root, self.sources, self.cxx_flags + ["|"] + self.nvcc_flags)
+        self.digest = source_digest(self.root, self.sources, self.cxx_flags + ["|"] + self.nvcc_flags, generated)
         self.prefix = key_prefix(torch.__version__, torch.version.cuda or "none")
 
     def directory(self, archs: Sequence[str]) -> Path:
@@ -225,14 +246,15 @@ def build(spec: Spec, archs: Sequence[str]) -> Path:
         # torch's own lock file, left behind if a build was killed; the lock above is the real one
         (directory / "lock").unlink(missing_ok=True)
         jobs = os.environ.get("MAX_JOBS") or str(default_max_jobs())
-        print(f"hf_flash: building the CUDA kernels for sm_{'+sm_'.join(archs)} ({len(spec.sources)} files, "
+        files = spec.sources + spec.generator.write(directory / "generated", spec.kinds)
+        print(f"hf_flash: building the CUDA kernels for sm_{'+sm_'.join(archs)} ({len(files)} files, "
               f"{jobs} jobs) into {directory}; once per torch, CUDA, GPU arch and source version",
               file=sys.stderr, flush=True)
         start = time.monotonic()
         saved = os.environ.get("MAX_JOBS")
         os.environ["MAX_JOBS"] = jobs
         try:
-            cpp_extension.load(name=NAME, sources=[str(p) for p in spec.sources], extra_cflags=spec.cxx_flags,
+            cpp_extension.load(name=NAME, sources=[str(p) for p in files], extra_cflags=spec.cxx_flags,
                                extra_cuda_cflags=spec.nvcc_flags + gencode_flags(archs),
                                extra_include_paths=[str(spec.root)], build_directory=str(directory),
                                with_cuda=True, is_python_module=False, verbose=False)

@@ -220,6 +220,27 @@ def test_source_digest(tmp_path):
     assert _build.source_digest(root, files[1:], ["-O3"]) != digest
     (root / "bwd" / "common.cuh").write_text("// changed header\n")  # headers count too
     assert _build.source_digest(root, files, ["-O3"]) != digest
+    digest = _build.source_digest(root, files, ["-O3"])
+    assert _build.source_digest(root, files, ["-O3"], ["fwd/fwd_hdim64_bf16.cu"]) != digest
+    (root / "generate_kernels.py").write_text("# changed generator\n")  # so does the generator
+    assert _build.source_digest(root, files, ["-O3"]) != digest
+
+
+def test_generated_instantiations(tmp_path):
+    """Every family gets its dispatch and one file per (head dim, dtype), unique names, written at build time;
+    a disabled family gets none."""
+    spec = _build.Spec({})
+    gen = spec.generator
+    names = sorted(gen.files(spec.kinds))
+    assert len(names) == sum(1 + 2 * len(f[2]) for f in gen.FAMILIES.values())
+    assert len({Path(n).stem for n in names}) == len(names)
+    written = gen.write(tmp_path, spec.kinds)
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in written) == names
+    text = (tmp_path / "bwd_sm90" / "bwd_sm90_hdim128_bf16.cu").read_text()
+    assert "run_bwd_sm90_hdim<true, 128>" in text and '#include "bwd_sm90/launch.cuh"' in text
+    assert "case 256:" in (tmp_path / "fwd" / "fwd_dispatch.cu").read_text()
+    forward_only = _build.Spec({"HF_FLASH_DISABLE_BACKWARD": "1"})
+    assert forward_only.kinds == ["fwd", "fwd_sm90", "decode"] and forward_only.digest != spec.digest
 
 
 def test_shipped_sources_are_found():
