@@ -115,6 +115,33 @@ __device__ __forceinline__ int2 seq_rows(const int* cu, int batch, int total, in
   const int start = min(max(cu[batch], 0), total);
   return make_int2(start, min(max(cu[batch + 1], start), total) - start);
 }
+
+// The visibility rule (causal, sliding window, seqlen_q != seqlen_k; rows and keys counted within their
+// sequence, masks aligned bottom-right): query i sees key j iff i < seqlen_q and lo(i) <= j <= hi(i). Causal is
+// window_right = 0; an unbounded side reaches past both sequences, so one formula covers every mask. Every
+// kernel masks through this struct; hf_flash/reference.py states the same rule (_visible).
+struct KeyWindow {
+  int seqlen_q, seqlen_k, diag, lo_off, hi_off;  // row i sees keys i + lo_off .. i + hi_off (and < seqlen_k)
+  __device__ __forceinline__ KeyWindow(const FwdParams& p, int seqlen_q_, int seqlen_k_)
+      : seqlen_q(seqlen_q_), seqlen_k(seqlen_k_), diag(seqlen_k_ - seqlen_q_) {
+    const int reach = seqlen_q_ + seqlen_k_;
+    lo_off = diag - (p.window_left >= 0 ? min(p.window_left, reach) : reach);
+    hi_off = diag + (p.window_right >= 0 ? min(p.window_right, reach) : reach);
+  }
+  // Keys row i sees: [lo(i), hi(i)] (lo may be negative).
+  __device__ __forceinline__ int lo(int i) const { return i + lo_off; }
+  __device__ __forceinline__ int hi(int i) const { return min(seqlen_k - 1, i + hi_off); }
+  // Rows that see key j: [row_lo(j), row_hi(j)] (unclamped: callers bound them by [0, seqlen_q)).
+  __device__ __forceinline__ int row_lo(int j) const { return j - hi_off; }
+  __device__ __forceinline__ int row_hi(int j) const { return j - lo_off; }
+  __device__ __forceinline__ bool visible(int i, int j) const {
+    return i < seqlen_q && j < seqlen_k && j - i >= lo_off && j - i <= hi_off;
+  }
+  // Every (row, key) of rows [m0, m_last] x keys [n0, n_last] is visible: the block needs no mask.
+  __device__ __forceinline__ bool covers(int m0, int m_last, int n0, int n_last) const {
+    return m_last < seqlen_q && n_last < seqlen_k && n0 - m_last >= lo_off && n_last - m0 <= hi_off;
+  }
+};
 #endif
 
 // Lets `kernel` take `bytes` of dynamic shared memory (above 48 KB a kernel must opt in).

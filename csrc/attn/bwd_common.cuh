@@ -176,10 +176,8 @@ struct KeyBlock {
 };
 template <int kBlockN, int kBlockM>
 __device__ __forceinline__ KeyBlock query_blocks(const BwdParams& p, const Seq& seq, int n0) {
-  const int off = seq.sk - seq.sq;  // diagonal (bottom-right alignment)
-  int m_lo = 0, m_hi = seq.sq;
-  if (p.window_right >= 0) m_lo = max(0, n0 - off - p.window_right);
-  if (p.window_left >= 0) m_hi = min(seq.sq, n0 + kBlockN - off + p.window_left);
+  const KeyWindow w(p, seq.sq, seq.sk);
+  const int m_lo = max(0, w.row_lo(n0)), m_hi = min(seq.sq, w.row_hi(n0 + kBlockN - 1) + 1);
   const int m_begin = m_lo / kBlockM;
   return {n0, m_begin, m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0};
 }

@@ -141,20 +141,6 @@ __device__ __forceinline__ int2 key_range(const FwdParams& p, int batch) {
   return make_int2(rows.x + leftpad, end - leftpad);
 }
 
-// Key j is visible to query i (both within their sequence) iff lo(i) <= j <= hi(i). An unbounded window
-// side reaches past both sequences, so one formula covers every mask.
-struct KeyWindow {
-  int diag, left, right, seqlen_k;
-  __device__ __forceinline__ KeyWindow(const FwdParams& p, int seqlen_q, int seqlen_k_)
-      : diag(seqlen_k_ - seqlen_q), seqlen_k(seqlen_k_) {
-    const int reach = seqlen_q + seqlen_k_;
-    left = p.window_left >= 0 ? min(p.window_left, reach) : reach;
-    right = p.window_right >= 0 ? min(p.window_right, reach) : reach;
-  }
-  __device__ __forceinline__ int lo(int i) const { return i + diag - left; }
-  __device__ __forceinline__ int hi(int i) const { return min(seqlen_k - 1, i + diag + right); }
-};
-
 // Scores of invisible keys -> -inf. Element (mi, nt, e) is row row_of(mi, e / 2), key n0 + 8 nt + 2t + e % 2.
 template <int kMTiles, int kNTiles, class RowOf>
 __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], const KeyWindow& w, int n0, int t,

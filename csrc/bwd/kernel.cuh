@@ -72,8 +72,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int groups = p.h / p.h_k;
   const Seq seq(p, b);
   const int n_blocks = (seq.sk + kBlockN - 1) / kBlockN;
-  const int off = seq.sk - seq.sq;  // diagonal offset (bottom-right alignment)
-  const int wl = p.window_left, wr = p.window_right;
+  const KeyWindow w(p, seq.sq, seq.sk);
   // Deterministic: this lane owns copy bx (see dq_copies).
   float* dq_base = dq_acc + (p.deterministic ? bx * copy_floats : 0);
   const float scale_over_cap = p.softcap > 0 ? p.softmax_scale / p.softcap : 0.f;
@@ -86,14 +85,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     const KeyBlock kb = begin_key_block<Tr>(p, seq, b, hk, n_block, sK, sV);
     const int n0 = kb.n0, m_begin = kb.m_begin, m_count = kb.m_count;
     const int iters = groups * m_count;  // (query head, query block) pairs: heads outer, blocks inner
-    // Key `key` is visible to query `row` (sequence-relative), and block m0 needs no masking at all.
-    auto visible = [&](int row, int key) {
-      return row < seq.sq && key < seq.sk && (wl < 0 || key >= row + off - wl) && (wr < 0 || key <= row + off + wr);
-    };
-    auto full_block = [&](int m0) {
-      return n0 + kBlockN <= seq.sk && m0 + kBlockM <= seq.sq && (wr < 0 || n0 + kBlockN - 1 <= m0 + off + wr) &&
-             (wl < 0 || n0 >= m0 + kBlockM - 1 + off - wl);
-    };
 
     // Q, dO, LSE and D of (head, m0) into stage st, one cp.async group.
     auto issue_loads = [&](int st, int head, int m0) {
@@ -139,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
       // ---- Phase AB ------------------------------------------------------------
       {
-        const bool full = full_block(m0);
+        const bool full = w.covers(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);  // no mask needed
         const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
         // x^T = A B^T over d for this warp's 16 keys (A = K or V rows), all kBlockM queries (B = Q or dO).
         auto gemm_keys = [&](uint32_t sA, uint32_t sB, auto& x) {  // x: float[kBlockM / 8][4]
@@ -178,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
               const int key = n0 + 16 * warp + g + 8 * (r / 2), row = m0 + 8 * j + 2 * t + r % 2;
-              if (!visible(row, key)) x[j][r] = -INFINITY;
+              if (!w.visible(row, key)) x[j][r] = -INFINITY;
             }
           }
         };
@@ -201,8 +192,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                 float xs = x[j][r], th = 0.f;
                 if (p.softcap > 0) { th = tile::fast_tanh(xs * scale_over_cap); xs = p.softcap * th; }
                 float s2 = xs * p.softmax_scale_log2;
-                if (p.alibi_slopes) s2 -= slope2 * fabsf(float(row + off - key));
-                const float prob = full || visible(row, key) ? tile::fast_exp2(s2 - lse_r) : 0.f;
+                if (p.alibi_slopes) s2 -= slope2 * fabsf(float(row + w.diag - key));
+                const float prob = full || w.visible(row, key) ? tile::fast_exp2(s2 - lse_r) : 0.f;
                 bool kept = true;
                 if (p.dropout_p > 0) {
                   const tile::Philox4 rnd = tile::philox(seed, uint32_t(key) >> 2, row, b * p.h + head, rng_offset);

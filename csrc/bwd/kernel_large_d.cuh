@@ -46,8 +46,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int hk = blockIdx.y, b = blockIdx.z, groups = p.h / p.h_k;
   const Seq seq(p, b);
   const int n_blocks = (seq.sk + kBlockN - 1) / kBlockN;
-  const int off = seq.sk - seq.sq;  // diagonal offset (bottom-right alignment)
-  const int wl = p.window_left, wr = p.window_right;
+  const KeyWindow w(p, seq.sq, seq.sk);
   // Deterministic: this lane owns copy blockIdx.x (see dq_copies).
   float* dq_base = dq_acc + (p.deterministic ? blockIdx.x * copy_floats : 0);
   const float scale_over_cap = p.softcap > 0 ? p.softmax_scale / p.softcap : 0.f;
@@ -116,8 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         // A block needs masking where a key is past the end or a window edge crosses it.
-        const bool full = n0 + kBlockN <= seq.sk && (wr < 0 || n0 + kBlockN - 1 <= m0 + off + wr) &&
-                          (wl < 0 || n0 >= m0 + kBlockM - 1 + off - wl);
+        const bool full = w.covers(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);  // no mask needed
         const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
 #pragma unroll
         for (int j = 0; j < Tr::kACols / 8; ++j) {
@@ -131,10 +129,8 @@ __global__ void __launch_bounds__(kThreads, 1)
               float x = s[j][2 * h2 + e], th = 0.f;
               if (p.softcap > 0) { th = tile::fast_tanh(x * scale_over_cap); x = p.softcap * th; }
               float s2 = x * p.softmax_scale_log2;
-              if (p.alibi_slopes) s2 -= slope2 * fabsf(float(row + off - key));
-              const bool visible = full || (key < seq.sk && (wl < 0 || key >= row + off - wl) &&
-                                            (wr < 0 || key <= row + off + wr));
-              const float prob = visible ? tile::fast_exp2(s2 - s_lse2[qc + e]) : 0.f;
+              if (p.alibi_slopes) s2 -= slope2 * fabsf(float(row + w.diag - key));
+              const float prob = full || w.visible(row, key) ? tile::fast_exp2(s2 - s_lse2[qc + e]) : 0.f;
               float dpv = dp[j][2 * h2 + e], pdrop = prob;
               if (p.dropout_p > 0) {
                 const tile::Philox4 r = tile::philox(seed, uint32_t(key) >> 2, row, b * p.h + head, rng_offset);

@@ -187,8 +187,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
   // ---- consumers -------------------------------------------------------------------------------
   sm90::regs_alloc<Tr::kConsumerRegs>();
   const int tid = threadIdx.x - 128, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int off = seq.sk - seq.sq;
-  const bool causal = p.window_right == 0;  // else unmasked (bwd_sm90_supports rules out windows)
+  const KeyWindow w(p, seq.sq, seq.sk);  // causal or none: bwd_sm90_supports rules out windows
   float dv[kD / 8][4] = {}, dk[kD / 8][4] = {};  // this warpgroup's 64 keys (GQA: summed over the group)
   const int key0 = n0 + 64 * wg + 16 * warp + g;  // this thread's keys: key0, key0 + 8
   // dQ: this warpgroup's dS^T rows (kSharedDq: the keys of both warpgroups), its dQ columns (col0..col0 + 63),
@@ -242,7 +241,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = key0 + 8 * h;
-      first[h] = key >= seq.sk ? INT_MAX : causal ? key - off - row0 : INT_MIN;  // rows >= key - off see the key
+      first[h] = key >= seq.sk ? INT_MAX : w.row_lo(key) - row0;  // rows >= row_lo see the key (no left window)
     }
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
 #pragma unroll

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
   const int batch = blockIdx.z / p.h_k, head_k = blockIdx.z % p.h_k;
   const int2 keys = fwd::key_range(p, batch);
   const int seqlen_k = keys.y;
-  const fwd::KeyWindow window(p, p.seqlen_q, seqlen_k);
+  const KeyWindow window(p, p.seqlen_q, seqlen_k);
   const int i_first = r0 / group, i_last = (min(r0 + kBlockM, rows) - 1) / group;
   const int n_begin = max(0, window.lo(i_first));
   const int n_end = window.hi(i_last) + 1;

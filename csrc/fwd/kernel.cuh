@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
             s[mi][nt][e] -= alibi * float(abs(row_of(mi, e >> 1) + w.diag - j));
           }
     }
-    if (n0 < w.lo(m_last) || n0 + kBlockN - 1 > w.hi(m0)) apply_mask(s, w, n0, t, row_of);
+    if (!w.covers(m0, m_last, n0, n0 + kBlockN - 1)) apply_mask(s, w, n0, t, row_of);
 
     online_softmax<Tr>(s, row_max, row_sum, o, scale_log2);
 

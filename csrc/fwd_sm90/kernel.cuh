@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int m0 = m_block * kBlockM;
   if (m0 >= seqlen_q) return;
 
-  const fwd::KeyWindow w(p, seqlen_q, seqlen_k);
+  const KeyWindow w(p, seqlen_q, seqlen_k);
   const int m_last = min(m0 + kBlockM, seqlen_q) - 1;
   const int n_begin = max(0, w.lo(m0));
   const int n_end = w.hi(m_last) + 1;
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   };
   auto softmax = [&](int it) {  // on S of step it, landed; alpha for O
     const int n0 = (n_block_max - 1 - it) * kBlockN;
-    if (n0 < w.lo(m_last) || n0 + kBlockN - 1 > w.hi(m0)) fwd::apply_mask(s, w, n0, t, row_of);
+    if (!w.covers(m0, m_last, n0, n0 + kBlockN - 1)) fwd::apply_mask(s, w, n0, t, row_of);
     fwd::softmax_step<Tr>(s, row_max, row_sum, alpha, scale_log2);
   };
 
