@@ -11,7 +11,11 @@ import torch.nn.functional as F
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import hf_flash  # noqa: F401
+from hf_flash import ops
+
+loaded, detail = ops.extension_status()  # builds or loads the kernels (import alone does neither)
+if not loaded:
+    sys.exit(f"kernel_ab: {detail}")
 
 # (name, batch, seqlen, heads, kv heads, head dim, causal): the e2e benchmark's Llama layer, then the paper grid.
 CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384, 16, 8, 128, True),
