@@ -10,7 +10,7 @@ OUT=${OUT:-fuzz_out}
 mkdir -p "$OUT"
 case "${1:?stage: fuzz | memcheck | racecheck | initcheck | soak}" in
   fuzz)
-    HF_FLASH_FUZZ_GPU_EXAMPLES=${EXAMPLES:-2000} timeout 570 python3 -m pytest tests/test_fuzz.py -m gpu -q \
+    HF_FLASH_FUZZ_GPU_EXAMPLES=${EXAMPLES:-2000} timeout 570 python3 -m pytest tests/test_fuzz.py -m gpu -q --hypothesis-show-statistics \
       -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/fuzz.log" | tail -30 ;;
   memcheck|racecheck|initcheck)
     bad=$([ "$1" = initcheck ] && echo 0 || echo 10)  # unchecked bad values leave rows unwritten: not for initcheck
