@@ -20,15 +20,13 @@
 namespace hf_flash {
 namespace {
 
-constexpr int64_t kHeadDims[] = {32, 64, 96, 128, 192, 256};
-
 // The instantiated head dim that runs head dim d: the smallest one >= d (columns past d are zero padding,
 // which changes neither q.k nor the output's first d columns).
 int64_t kernel_head_dim(int64_t d) {
   for (int64_t hd : kHeadDims) {
     if (hd >= d) return hd;
   }
-  TORCH_CHECK_VALUE(false, "hf_flash: head_dim must be at most 256 for the CUDA kernels, got ", d);
+  TORCH_CHECK_VALUE(false, "hf_flash: head_dim must be at most ", kMaxHeadDim, " for the CUDA kernels, got ", d);
 }
 
 // The kernels load and store rows with 16-byte cp.async: last dim contiguous, aligned base and strides.
@@ -78,7 +76,7 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bo
   const int64_t dims = varlen ? 3 : 4;
   TORCH_CHECK_VALUE(q.dim() == dims && k.dim() == dims && v.dim() == dims, "hf_flash: q, k, v must be ", dims, "-D");
   const int64_t d = q.size(-1);
-  TORCH_CHECK_VALUE(d >= 1 && d <= 256, "hf_flash: head_dim must be in 1..256, got ", d);
+  TORCH_CHECK_VALUE(d >= 1 && d <= kMaxHeadDim, "hf_flash: head_dim must be in 1..", kMaxHeadDim, ", got ", d);
   TORCH_CHECK_VALUE(k.size(-1) == d && v.size(-1) == d, "hf_flash: q, k, v head dims differ");
   TORCH_CHECK_VALUE(k.size(-2) > 0 && q.size(-2) % k.size(-2) == 0,
                     "hf_flash: query heads must be a multiple of key/value heads");

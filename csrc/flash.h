@@ -10,8 +10,12 @@ namespace hf_flash {
 //   dense : q (b, seqlen_q, h, d), k/v (b, seqlen_k, h_k, d), o like q
 //   varlen: q (total_q, h, d), k/v (total_k, h_k, d); batch b spans rows
 //           [cu_seqlens_q[b], cu_seqlens_q[b+1]) (batch_stride unused)
-// d is one of the compiled head dims {32, 64, 96, 128, 192, 256}; binding.cpp
-// zero-pads other sizes, so kernels never predicate along d.
+// d is one of the compiled head dims kHeadDims; binding.cpp zero-pads other sizes,
+// so kernels never predicate along d.
+// The head dims the mma.sync families are instantiated for (csrc/generate_kernels.py reads this line).
+constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
+constexpr int kMaxHeadDim = kHeadDims[sizeof(kHeadDims) / sizeof(kHeadDims[0]) - 1];
+
 struct FwdParams {
   const void* __restrict__ q;
   const void* __restrict__ k;

@@ -12,10 +12,13 @@ and sm90 families. File names are unique across families (the build names object
     python csrc/generate_kernels.py OUT_DIR [KIND ...]   # writes them under OUT_DIR (tools/check_kernels.sh)
 """
 
+import re
 import sys
 from pathlib import Path
 
-HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+# The head dims are flash.h's kHeadDims (one list for the generator and the binding's padding rule).
+_LIST = re.search(r"kHeadDims\[\] = \{([^}]*)\}", (Path(__file__).resolve().parent / "flash.h").read_text())
+HEAD_DIMS = tuple(int(d) for d in _LIST.group(1).split(","))
 DTYPES = {"fp16": "false", "bf16": "true"}  # name -> kIsBf16
 # kind -> (params struct, entry point, head dims, whether p.d rounds up to the next head dim: those kernels
 # zero-fill the columns past d in shared memory and never store them, so any multiple of 8 runs without padding)
