@@ -85,6 +85,7 @@ class Case:
     s_new: int = 0  # kvcache: keys appended in place
     leftpad: Optional[tuple] = None  # kvcache
     seqlens_int: bool = False  # kvcache: cache_seqlens passed as one int
+    num_splits: int = 0  # kvcache: the decode kernel's split count (0: its own choice)
     corrupt: str = ""  # run_bad_case: which argument to break (see BAD)
     seed: int = 0
 
@@ -383,7 +384,8 @@ def _check_kvcache(case: Case, device, check: bool = True) -> None:
     out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
                                   cache_seqlens=case.lens_k[0] if case.seqlens_int else seqlens,
                                   cache_leftpad=leftpad, softmax_scale=case.scale, causal=case.causal,
-                                  window_size=case.window, softcap=case.softcap, alibi_slopes=slopes)
+                                  window_size=case.window, softcap=case.softcap, alibi_slopes=slopes,
+                                  num_splits=case.num_splits)
     assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v), "the in-place append"
     if not check:
         return
@@ -526,6 +528,28 @@ def run_bad_case(case: Case, device, expect_error: bool = True) -> None:
 
 
 # Failing cases the fuzzer found, kept as regression tests (paste a failure's Case repr here).
+# Every kernel family on its edges, for compute-sanitizer (tools/fuzz_sanitize.py runs these before the random
+# seeds): the Hopper kernels (d64 / d128 without extras) with lengths off the tiles, seqlen_q != seqlen_k (fully
+# masked causal rows), GQA and empty varlen sequences; the mma.sync kernels at the other head dims with window,
+# softcap and dropout; the split-KV decode kernel and its combine over ragged, left-padded caches, empty rows,
+# GQA packing over several row tiles and split counts auto / 1 / 3.
+FAMILY_CASES = [
+    Case(kind="dense", dtype="bfloat16", h=4, hk=2, d=64, lens_q=(77, 77), lens_k=(150, 150)),
+    Case(kind="dense", dtype="float16", h=4, hk=1, d=128, lens_q=(150, 150), lens_k=(77, 77), causal=True),
+    Case(kind="dense", dtype="bfloat16", h=2, hk=2, d=128, lens_q=(200, 200), lens_k=(200, 200), causal=True),
+    *(Case(kind="varlen", dtype="bfloat16", h=4, hk=4, d=d, lens_q=(0, 5, 0, 130, 64), lens_k=(0, 5, 0, 130, 64),
+           causal=True) for d in (64, 128)),
+    *(Case(kind="dense", dtype=dtype, h=3, hk=3, d=d, lens_q=(77, 77), lens_k=(130, 130), **extra)
+      for d in (32, 96, 256) for dtype in ("bfloat16", "float16")
+      for extra in ({"causal": True}, {"window": (20, 3), "softcap": 10.0, "dropout": 0.2})),
+    Case(kind="varlen", dtype="bfloat16", h=4, hk=2, d=64, lens_q=(0, 5, 129, 1), lens_k=(0, 5, 129, 1), causal=True),
+    *(Case(kind="kvcache", dtype="bfloat16", h=h, hk=hk, d=d, lens_q=(sq,) * 3, lens_k=(300, 1, 77), s_cache=300,
+           leftpad=(3, 1, 0), causal=True, num_splits=splits)
+      for d in (64, 128, 256) for sq, h, hk in ((1, 8, 2), (5, 8, 1), (16, 4, 4), (17, 4, 2)) for splits in (0, 1, 3)),
+    *(Case(kind="kvcache", dtype="bfloat16", h=8, hk=2, d=d, lens_q=(1,) * 3, lens_k=(300, 1, 77), s_cache=300,
+           window=(20, 0), softcap=10.0, causal=True) for d in (64, 128, 256)),
+]
+
 REGRESSIONS: list = [
     # Every sequence empty (no rows at all): the reference's varlen gather raised IndexError.
     Case(kind="varlen", dtype="float32", h=1, hk=1, d=32, lens_q=(0,), lens_k=(0,)),

@@ -16,7 +16,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fuzz_cases import (CPU, GPU, REGRESSIONS, SMALL_GPU, HypothesisSource, RandomSource, draw_bad_case,  # noqa: E402
+from fuzz_cases import (CPU, FAMILY_CASES, GPU, REGRESSIONS, SMALL_GPU, HypothesisSource, RandomSource, draw_bad_case,  # noqa: E402
                         draw_case, run_bad_case, run_case)
 
 CPU_EXAMPLES = int(os.environ.get("HF_FLASH_FUZZ_EXAMPLES", "45"))
@@ -54,6 +54,17 @@ def test_fuzz_bad_inputs(case):
 @pytest.mark.parametrize("case", REGRESSIONS, ids=lambda c: f"{c.kind}-{c.seed}")
 def test_fuzz_regressions(case):
     run_case(case, "cpu")
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES, ids=lambda c: f"{c.kind}-d{c.d}")
+def test_family_cases(case):
+    run_case(case, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FAMILY_CASES, ids=lambda c: f"{c.kind}-d{c.d}")
+def test_family_cases_kernels(case):
+    run_case(case, "cuda")
 
 
 @pytest.mark.gpu

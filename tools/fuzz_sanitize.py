@@ -1,4 +1,5 @@
-"""A reduced, fixed-seed set of the fuzzer's cases (tests/fuzz_cases.py) without hypothesis, for compute-sanitizer:
+"""The sanitizer runner: every kernel family on its edges (tests/fuzz_cases.py FAMILY_CASES), then a reduced,
+fixed-seed set of the fuzzer's random cases, without hypothesis, for compute-sanitizer:
 
     compute-sanitizer --tool memcheck  --error-exitcode 1 python tools/fuzz_sanitize.py --cases 40
     compute-sanitizer --tool racecheck --error-exitcode 1 python tools/fuzz_sanitize.py --cases 40
@@ -26,12 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import torch  # noqa: E402
 
-from fuzz_cases import SMALL_GPU, RandomSource, draw_bad_case, draw_case, run_bad_case, run_case  # noqa: E402
+from fuzz_cases import (FAMILY_CASES, SMALL_GPU, RandomSource, draw_bad_case, draw_case, run_bad_case,  # noqa: E402
+                        run_case)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", type=int, default=40, help="valid cases (seeds 0..cases-1)")
+    parser.add_argument("--cases", type=int, default=40, help="random valid cases (seeds 0..cases-1)")
     parser.add_argument("--bad", type=int, default=None, help="bad-value cases (default: cases // 4)")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--no-check", action="store_true", help="only run the kernels (no float64 reference)")
@@ -47,20 +49,22 @@ def main() -> int:
         print(f"fuzz_sanitize: {detail}", file=sys.stderr)
         return 2
     start, failures = time.time(), 0
-    for seed in range(args.first_seed, args.first_seed + args.cases):
-        case = draw_case(RandomSource(seed), SMALL_GPU)
+    seeds = range(args.first_seed, args.first_seed + args.cases)
+    for name, case in [*((f"family case {i}", c) for i, c in enumerate(FAMILY_CASES)),
+                       *((f"seed {s}", draw_case(RandomSource(s), SMALL_GPU)) for s in seeds)]:
         try:
             run_case(case, "cuda", check=not args.no_check)
         except AssertionError as e:
             failures += 1
-            print(f"FAIL seed {seed}: {e}")
+            print(f"FAIL {name}: {e}")
     bad = args.cases // 4 if args.bad is None else args.bad
     checks.CHECK_VALUES = False  # as on a GPU without HF_FLASH_CHECK: bad values reach the kernels
     for seed in range(args.first_seed, args.first_seed + bad):
         case = draw_bad_case(RandomSource(10**6 + seed), SMALL_GPU, errors=("value",))
         run_bad_case(case, "cuda", expect_error=False)
     torch.cuda.synchronize()
-    print(f"fuzz_sanitize: hf_flash {hf_flash.__version__}, {args.cases} cases ({failures} failed), {bad} bad-value "
+    print(f"fuzz_sanitize: hf_flash {hf_flash.__version__}, {len(FAMILY_CASES)} family + {args.cases} random cases "
+          f"({failures} failed), {bad} bad-value "
           f"cases run unchecked, {time.time() - start:.0f} s")
     return 1 if failures else 0
 

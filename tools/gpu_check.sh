@@ -29,16 +29,11 @@ if has test; then
   timeout 400 python3 -m pytest tests -m gpu -q -p no:cacheprovider --tb=short --maxfail=20 2>&1 \
     | tee "$OUT/test.log" | tail -25
 fi
-if has sanitize; then  # every kernel family under memcheck, the shared-memory pipelines under racecheck (small cases)
-  for run in "memcheck sm90,fwd,decode" "racecheck sm90,decode"; do
-    set -- $run
-    timeout 300 compute-sanitizer --tool $1 python3 tools/sanitize.py --family $2 2>&1 | tee "$OUT/$1.log" \
-      | grep -E "ERROR SUMMARY|RACECHECK SUMMARY" | sed "s/^/$1: /"
-  done
-fi
-if has fuzz; then  # the property-based fuzzer on the kernels (>= 2000 cases), then its fixed seeds under the sanitizers
-  OUT="$OUT" bash tools/fuzz_gpu.sh fuzz
+if has sanitize; then  # every kernel family's edge cases + fixed fuzz seeds under memcheck, racecheck, initcheck
   for tool in memcheck racecheck initcheck; do OUT="$OUT" CASES=${FUZZ_SANITIZE_CASES:-12} bash tools/fuzz_gpu.sh $tool; done
+fi
+if has fuzz; then  # the property-based fuzzer on the kernels (>= 2000 cases + 200 bad inputs)
+  OUT="$OUT" bash tools/fuzz_gpu.sh fuzz
 fi
 if has soak; then  # 8 minutes of training and generation in one process, memory_allocated() traced
   OUT="$OUT" bash tools/fuzz_gpu.sh soak
