@@ -41,7 +41,7 @@ __device__ __forceinline__ void cp_async4(uint32_t smem_addr, const void* gmem, 
 }
 
 // D[head][row] = sum_c dO[row, head, c] * O[row, head, c]; kHeadDim / 8 lanes per (row, head), 16 bytes
-// of O and dO each (one warp per (row, head) left most lanes idle: 80 us of a 1.9 ms backward).
+// of O and dO each (one warp per (row, head) would leave most lanes idle).
 // Lanes per (row, head): the largest power of two (at most 32) dividing the row's 16-byte chunks.
 __host__ __device__ constexpr int dot_lanes(int d) {
   int l = 1;
