@@ -527,7 +527,6 @@ def run_bad_case(case: Case, device, expect_error: bool = True) -> None:
                          f"{str(device)!r})")
 
 
-# Failing cases the fuzzer found, kept as regression tests (paste a failure's Case repr here).
 # Every kernel family on its edges, for compute-sanitizer (tools/fuzz_sanitize.py runs these before the random
 # seeds): the Hopper kernels (d64 / d128 without extras) with lengths off the tiles, seqlen_q != seqlen_k (fully
 # masked causal rows), GQA and empty varlen sequences; the mma.sync kernels at the other head dims with window,
@@ -550,6 +549,7 @@ FAMILY_CASES = [
            window=(20, 0), softcap=10.0, causal=True) for d in (64, 128, 256)),
 ]
 
+# Failing cases the fuzzer found, kept as regression tests (paste a failure's Case repr here).
 REGRESSIONS: list = [
     # Every sequence empty (no rows at all): the reference's varlen gather raised IndexError.
     Case(kind="varlen", dtype="float32", h=1, hk=1, d=32, lens_q=(0,), lens_k=(0,)),
