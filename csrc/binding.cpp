@@ -96,6 +96,15 @@ at::Tensor lse_like(const at::Tensor& q, bool varlen) {
   return varlen ? at::empty({q.size(1), q.size(0)}, opts) : at::empty({q.size(0), q.size(2), q.size(1)}, opts);
 }
 
+// Learned sinks as the kernels read them: float32, contiguous, one logit per query head; undefined without.
+at::Tensor sinks_for_kernel(const c10::optional<at::Tensor>& sinks, const at::Tensor& q) {
+  if (!sinks.has_value()) return at::Tensor();
+  TORCH_CHECK_VALUE(sinks->device() == q.device() && sinks->dim() == 1 && sinks->size(0) == q.size(-2),
+                    "hf_flash: sinks must be a (heads,) tensor on q's device");
+  TORCH_CHECK_TYPE(sinks->is_floating_point(), "hf_flash: sinks must be a floating-point tensor");
+  return sinks->to(at::kFloat).contiguous();
+}
+
 void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const at::Tensor& o, const at::Tensor& lse, const c10::optional<at::Tensor>& cu_seqlens_q,
                  const c10::optional<at::Tensor>& cu_seqlens_k, const c10::optional<at::Tensor>& seqused_k,
@@ -179,7 +188,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(
     const c10::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, double softcap,
     const c10::optional<at::Tensor>& alibi_slopes, double dropout_p, const c10::optional<at::Tensor>& rng_state,
-    bool deterministic) {
+    bool deterministic, const c10::optional<at::Tensor>& sinks) {
   const bool varlen = cu_seqlens_q.has_value();
   check_qkv(q, k, v, varlen);
   c10::cuda::CUDAGuard guard(q.device());
@@ -193,7 +202,12 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(
   FwdParams p;
   fill_common(p, qk, kk, vk, o.kernel, lse, cu_q, cu_k, c10::nullopt, max_seqlen_q, max_seqlen_k, softmax_scale,
               causal, window_left, window_right, softcap, alibi, dropout_p, rng_state);
-  if (p.seqlen_q == 0 || p.seqlen_k == 0) return {o.out.zero_(), lse.fill_(INFINITY)};  // no row sees a key
+  const at::Tensor sink = sinks_for_kernel(sinks, q);
+  p.sinks = sink.defined() ? sink.data_ptr<float>() : nullptr;
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) {  // no row sees a key: O = 0, LSE = the sink (+inf without one)
+    if (!sink.defined()) return {o.out.zero_(), lse.fill_(INFINITY)};
+    return {o.out.zero_(), lse.copy_(varlen ? sink.view({-1, 1}).expand_as(lse) : sink.view({1, -1, 1}).expand_as(lse))};
+  }
 #ifdef HF_FLASH_DISABLE_FORWARD
   TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_FORWARD=1");
 #else
@@ -210,7 +224,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
     const c10::optional<at::Tensor>& cache_leftpad, double softmax_scale, bool causal, int64_t window_left,
-    int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
+    int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, int64_t num_splits,
+    const c10::optional<at::Tensor>& sinks) {
   check_qkv(q, k_cache, v_cache, false);
   TORCH_CHECK_VALUE(num_splits >= 0, "hf_flash: num_splits must be >= 0");
   TORCH_CHECK_TYPE(cache_seqlens.is_cuda() && cache_seqlens.scalar_type() == at::kInt &&
@@ -227,6 +242,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
   FwdParams p;
   fill_common(p, qk, kk, vk, o.kernel, lse, c10::nullopt, c10::nullopt, seqlens, q.size(1), k_cache.size(1),
               softmax_scale, causal, window_left, window_right, softcap, alibi, 0.0, c10::nullopt);
+  const at::Tensor sink = sinks_for_kernel(sinks, q);  // every row gets it, also one with no cached key
+  p.sinks = sink.defined() ? sink.data_ptr<float>() : nullptr;
   at::Tensor leftpad;  // keeps a contiguous copy alive until the launch
   if (cache_leftpad.has_value()) {
     TORCH_CHECK_TYPE(cache_leftpad->is_cuda() && cache_leftpad->scalar_type() == at::kInt &&
@@ -315,14 +332,16 @@ class FwdFunction : public torch::autograd::Function<FwdFunction> {
                                const c10::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
                                int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
                                int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes,
-                               double dropout_p, const c10::optional<at::Tensor>& rng_state, bool deterministic) {
+                               double dropout_p, const c10::optional<at::Tensor>& rng_state, bool deterministic,
+                               const c10::optional<at::Tensor>& sinks) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hf_flash::fwd", "").typed<decltype(fwd_cuda)>();
     at::AutoDispatchBelowADInplaceOrView below;
     auto [out, lse] = op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                              window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic);
+                              window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic,
+                              sinks);
     const auto or_undefined = [](const c10::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); };
     ctx->save_for_backward({q, k, v, out, lse, or_undefined(cu_seqlens_q), or_undefined(cu_seqlens_k),
-                            or_undefined(alibi_slopes), or_undefined(rng_state)});
+                            or_undefined(alibi_slopes), or_undefined(rng_state), or_undefined(sinks)});
     ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
     ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
     ctx->saved_data["softmax_scale"] = softmax_scale;
@@ -347,8 +366,17 @@ class FwdFunction : public torch::autograd::Function<FwdFunction> {
                                 d.at("window_left").toInt(), d.at("window_right").toInt(), d.at("softcap").toDouble(),
                                 optional(s[7]), d.at("dropout_p").toDouble(), optional(s[8]),
                                 d.at("deterministic").toBool());
-    variable_list result(16);  // one entry per forward argument; only q, k, v get gradients
+    variable_list result(17);  // one entry per forward argument; q, k, v and the sinks get gradients
     result[0] = dq; result[1] = dk; result[2] = dv;
+    if (s[9].defined()) {
+      // The LSE includes the sinks, so the backward above is already exact for q, k, v; and
+      // d sink_h = -sum over the rows of head h of exp(sink_h - LSE) * rowsum(dO * O).
+      const at::Tensor& lse = s[4];
+      const at::Tensor sink = s[9].to(at::kFloat), delta = (grads[0].to(at::kFloat) * s[3].to(at::kFloat)).sum(-1);
+      const at::Tensor weight = s[5].defined() ? at::exp(sink.view({-1, 1}) - lse).t()  // varlen (total, h)
+                                               : at::exp(sink.view({1, -1, 1}) - lse).transpose(1, 2);  // (b, s, h)
+      result[16] = -(weight * delta).reshape({-1, sink.size(0)}).sum(0).to(s[9].scalar_type());
+    }
     return result;
   }
 };
@@ -358,9 +386,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(
     const c10::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, double softcap,
     const c10::optional<at::Tensor>& alibi_slopes, double dropout_p, const c10::optional<at::Tensor>& rng_state,
-    bool deterministic) {
+    bool deterministic, const c10::optional<at::Tensor>& sinks) {
   auto r = FwdFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                              window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic);
+                              window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic,
+                              sinks);
   return {r[0], r[1]};
 }
 
@@ -369,14 +398,15 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(
 TORCH_LIBRARY(hf_flash, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
         "int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
-        "Tensor? alibi_slopes, float dropout_p, Tensor? rng_state, bool deterministic) -> (Tensor out, Tensor lse)");
+        "Tensor? alibi_slopes, float dropout_p, Tensor? rng_state, bool deterministic, Tensor? sinks=None) "
+        "-> (Tensor out, Tensor lse)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
         "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
         "int window_left, int window_right, float softcap, Tensor? alibi_slopes, float dropout_p, "
         "Tensor? rng_state, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? cache_leftpad, "
         "float softmax_scale, bool causal, int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
-        "int num_splits) -> (Tensor out, Tensor lse)");
+        "int num_splits, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(hf_flash, CUDA, m) {

@@ -58,6 +58,7 @@ struct FwdParams {
   // ALiBi: s += -slope[h] * |i + seqlen_k - seqlen_q - j|; slopes fp32 (h) or (b, h).
   const float* __restrict__ alibi_slopes;
   int64_t alibi_batch_stride;  // 0 for (h,) slopes
+  const float* __restrict__ sinks;  // (h,) learned sink logits (natural log), in every row's denominator; or nullptr
 
   // Dropout on P (after softmax), kept values scaled by 1/(1-p). The mask for
   // element (batch, head, i, j) comes from Philox4x32-10 with

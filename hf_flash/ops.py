@@ -85,62 +85,18 @@ def _lse_shape(q: Tensor, varlen: bool):
 
 def run_fwd(*args, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """hf_flash::fwd's arguments and result (out, lse), on the kernels or the reference; differentiable.
-    ``sinks`` (H,): learned attention sinks, whose LSE the result's includes (``reference.sink_rescale``)."""
+    ``sinks`` (H,): learned attention sinks, in every row's softmax denominator (the LSE includes them) and
+    with a gradient (``reference.sink_rescale`` states the rule)."""
     if not uses_kernels(args[0]):
         return reference.fwd(*args, sinks=sinks)
-    if sinks is None:
-        return torch.ops.hf_flash.fwd.default(*args)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (*args[:3], sinks)):
-        return SinkAttention.apply(torch.ops.hf_flash.fwd.default, torch.ops.hf_flash.bwd.default, sinks, *args)
-    out, lse = torch.ops.hf_flash.fwd.default(*args)  # inference: only the rescale
-    return _rescale(out, lse, sinks, varlen=args[3] is not None)
+    return torch.ops.hf_flash.fwd.default(*args, sinks)
 
 
 def run_fwd_kvcache(*args, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """hf_flash::fwd_kvcache's arguments and result (out, lse), on the kernels or the reference (inference)."""
     if not uses_kernels(args[0]):
         return reference.fwd_kvcache(*args, sinks=sinks)
-    out, lse = torch.ops.hf_flash.fwd_kvcache.default(*args)
-    return (out, lse) if sinks is None else _rescale(out, lse, sinks, varlen=False)
-
-
-def _rescale(out: Tensor, lse: Tensor, sinks: Tensor, varlen: bool) -> tuple[Tensor, Tensor]:
-    """The kernels' (out, lse) with the sinks in the denominator, out in its dtype, lse float32."""
-    total, factor = reference.sink_rescale(lse, sinks, 0 if varlen else 1)
-    factor = factor.T if varlen else factor.transpose(1, 2)  # (H, T) / (B, H, S) -> out's row, head order
-    return (out * factor[..., None]).to(out.dtype), total
-
-
-class SinkAttention(torch.autograd.Function):
-    """The forward op with learned sinks: the kernels run unchanged and their result is rescaled.
-
-    With ``O' = O * exp(lse - L)`` and ``L = logaddexp(lse, sink)``, the ordinary backward run on ``(O', L)``
-    gives dq, dk, dv exactly (its ``D = rowsum(dO * O')`` already counts the sink), and
-    ``d sink_h = -sum over rows of head h of exp(sink_h - L) * D``. ``fwd`` / ``bwd`` are the ops (or the
-    reference's twins, in tests), called with the ops' arguments."""
-
-    @staticmethod
-    def forward(ctx, fwd, bwd, sinks, *args):
-        out, lse = fwd(*args)
-        varlen = args[3] is not None
-        out, total = _rescale(out, lse, sinks, varlen)
-        ctx.bwd, ctx.varlen = bwd, varlen
-        ctx.constants = [None if isinstance(a, Tensor) else a for a in args]
-        ctx.save_for_backward(out, total, sinks, *(a if isinstance(a, Tensor) else None for a in args))
-        ctx.mark_non_differentiable(total)
-        return out, total
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        out, total, sinks, *tensors = ctx.saved_tensors
-        args = [c if t is None else t for t, c in zip(tensors, ctx.constants)]
-        dout = dout.contiguous()
-        dq, dk, dv = ctx.bwd(dout, *args[:3], out, total, *args[3:])
-        delta = (dout.float() * out.float()).sum(-1)  # (B, S, H) / (T, H)
-        weight = torch.exp(sinks.float()[:, None] - total).T if ctx.varlen else \
-            torch.exp(sinks.float()[None, :, None] - total).transpose(1, 2)  # like delta
-        dsinks = -(weight * delta).reshape(-1, sinks.shape[0]).sum(0)
-        return (None, None, dsinks.to(sinks.dtype), dq, dk, dv, *([None] * (len(args) - 3)))
+    return torch.ops.hf_flash.fwd_kvcache.default(*args, sinks)
 
 
 def _register_fakes() -> None:

@@ -195,6 +195,19 @@ def test_opcheck_fwd(d, dropout_p, requires_grad):
     torch.library.opcheck(torch.ops.hf_flash.fwd.default, _op_args(d, dropout_p, requires_grad))
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_opcheck_fwd_with_sinks(varlen):
+    """The learned sinks argument: schema, fake, autograd (d sink from the C++ backward) and the kernels."""
+    sinks = torch.randn(4, device="cuda").requires_grad_()
+    if varlen:
+        q, k, v = (randn(50, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+        cu = torch.tensor([0, 20, 50], dtype=torch.int32, device="cuda")
+        args = (q, k, v, cu, cu, 30, 30, 0.125, True, -1, -1, 0.0, None, 0.0, None, False, sinks)
+    else:
+        args = (*_op_args(requires_grad=True), sinks)
+    torch.library.opcheck(torch.ops.hf_flash.fwd.default, args)
+
+
 def test_opcheck_fwd_varlen():
     q, k, v = (randn(50, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     cu = torch.tensor([0, 20, 50], dtype=torch.int32, device="cuda")

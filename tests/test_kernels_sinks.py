@@ -1,4 +1,4 @@
-"""Learned attention sinks on the CUDA kernels (the ops' result rescaled, ``hf_flash.ops.SinkAttention``)
+"""Learned attention sinks on the CUDA kernels (in the forward / decode epilogues, d sink in the op's backward)
 against the reference in float32: forward, LSE and the gradients of q, k, v and the sinks, dense, varlen and
 decode, with GQA, sliding windows and fully masked rows. Rule: ``max|ours - ref| <= 3 * max|torch_same_precision
 - ref| + max(eps, 1e-3) * max(1, max|ref|)``, torch_same_precision being ``naive_attention`` in the input dtype

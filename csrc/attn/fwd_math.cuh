@@ -161,10 +161,18 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], cons
     }
 }
 
-// Natural-log LSE of a row from its max score (unscaled) and its sum of exp2(S * scale_log2 - max_scaled);
-// +inf for a row with no visible key.
-__device__ __forceinline__ float row_lse(float row_max, float row_sum, float scale_log2) {
-  return row_sum == 0.f ? INFINITY : (row_max * scale_log2 + __log2f(row_sum)) * kLn2;
+// A row's normalisation: O = acc * inv and its natural-log LSE, from its max (log2 units) and its sum of
+// exp2(x - max). A learned sink (natural-log logit, or nullptr) joins the sum, not the output. A row with no
+// visible key gets O = 0 and LSE = the sink (+inf without one).
+struct RowNorm {
+  float inv, lse;
+};
+__device__ __forceinline__ RowNorm row_norm(float max2, float sum, const float* sink) {
+  if (sum == 0.f) return {0.f, sink ? *sink : INFINITY};
+  if (!sink) return {1.f / sum, (max2 + __log2f(sum)) * kLn2};
+  const float sink2 = *sink * kLog2e, top = fmaxf(max2, sink2);
+  const float scale = exp2f(max2 - top), total = sum * scale + exp2f(sink2 - top);
+  return {scale / total, (top + __log2f(total)) * kLn2};
 }
 
 // s = softcap * tanh(s * scale_over_cap) on the unscaled scores.

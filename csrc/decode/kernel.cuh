@@ -174,10 +174,11 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
     l += f[w] * s_sum[w * kBlockM + r];
   }
   if (r0 + r >= rows) return;
-  const bool empty = l == 0.f;  // no visible key in this range
-  const float inv = empty ? 0.f : 1.f / l;
-  const float lse = empty ? INFINITY : (m + __log2f(l)) * kLn2;
   const int i = query_of(r), head = head_of(r);
+  // One split: the final normalisation (with the sink); several: this range's partial, the sink joins in combine.
+  const float* sink = p.sinks && p.num_splits == 1 ? p.sinks + head : nullptr;
+  const fwd::RowNorm n = fwd::row_norm(m, l, sink);
+  const float inv = n.inv, lse = n.lse;
   float4 acc[kCols / 4];
 #pragma unroll
   for (int c = 0; c < kCols / 4; ++c) {
@@ -205,7 +206,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
       if (col + 4 * c >= p.d) break;
       *reinterpret_cast<float4*>(p.o_accum + row * p.d + col + 4 * c) = acc[c];
     }
-    if (col == 0) p.lse_accum[row] = empty ? -INFINITY : lse;  // -inf: the combine gives this range weight 0
+    if (col == 0) p.lse_accum[row] = l == 0.f ? -INFINITY : lse;  // -inf: the combine gives this range weight 0
   }
 }
 
@@ -233,8 +234,8 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Fw
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
   __syncwarp();
-  const bool empty = sum == 0.f;  // no split saw a key: O = 0, LSE = +inf
-  const float inv = empty ? 0.f : 1.f / sum;
+  const fwd::RowNorm n = fwd::row_norm(m * kLog2e, sum, p.sinks ? p.sinks + head : nullptr);  // no key: O = 0
+  const float inv = n.inv;
   T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(i) * p.o_row_stride + head * p.o_head_stride;
   for (int c = lane * 4; c < p.d; c += 128) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -246,7 +247,7 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Fw
     *reinterpret_cast<uint2*>(out + c) = make_uint2(tile::pack2<Tr::Warp::kIsBf16>(acc.x * inv, acc.y * inv),
                                                     tile::pack2<Tr::Warp::kIsBf16>(acc.z * inv, acc.w * inv));
   }
-  if (lane == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] = empty ? INFINITY : m + __logf(sum);
+  if (lane == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] = n.lse;
 }
 
 }  // namespace decode

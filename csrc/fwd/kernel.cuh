@@ -144,14 +144,15 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
   tile::cp_async_wait<0>();
   __syncthreads();  // sQ is free (also when no key block was visible)
   float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
+  const float* sink = p.sinks ? p.sinks + head : nullptr;
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float l = tile::quad_sum(row_sum[mi][half]);
-      const float inv = l == 0.f ? 0.f : 1.f / l;  // no visible key: O = 0, LSE = +inf
+      const RowNorm n = row_norm(row_max[mi][half] * scale_log2, tile::quad_sum(row_sum[mi][half]), sink);
+      const float inv = n.inv;
       const int i = row_of(mi, half);
-      if (t == 0 && i < seqlen_q) lse[i] = row_lse(row_max[mi][half], l, scale_log2);
+      if (t == 0 && i < seqlen_q) lse[i] = n.lse;
       const int r = i - m0;
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {

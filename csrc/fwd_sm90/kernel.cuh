@@ -215,13 +215,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
   T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_start) * p.o_row_stride +
            head * p.o_head_stride;
+  const float* sink = p.sinks ? p.sinks + head : nullptr;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const float l = tile::quad_sum(row_sum[0][half]);
-    const float inv = l == 0.f ? 0.f : 1.f / l;  // no visible key: O = 0, LSE = +inf
+    const fwd::RowNorm n = fwd::row_norm(row_max[0][half] * scale_log2, tile::quad_sum(row_sum[0][half]), sink);
+    const float inv = n.inv;
     const int i = row_of(0, half);
     if (i >= seqlen_q) continue;
-    if (t == 0) lse[i] = fwd::row_lse(row_max[0][half], l, scale_log2);
+    if (t == 0) lse[i] = n.lse;
     T* dst = out + int64_t(i) * p.o_row_stride + 2 * t;
 #pragma unroll
     for (int dt = 0; dt < Tr::kDTiles; ++dt) {
