@@ -142,6 +142,11 @@ struct KeyWindow {
   __device__ __forceinline__ bool visible(int i, int j) const {
     return i < seqlen_q && j < seqlen_k && j - i >= lo_off && j - i <= hi_off;
   }
+  // The blocks of block_n keys that rows [m0, m_last] see: [x, y) (x == y: none).
+  __device__ __forceinline__ int2 key_blocks(int m0, int m_last, int block_n) const {
+    const int begin = max(0, lo(m0)), end = hi(m_last) + 1;
+    return make_int2(begin / block_n, end > begin ? (end + block_n - 1) / block_n : begin / block_n);
+  }
   // Every (row, key) of rows [m0, m_last] x keys [n0, n_last] is visible: the block needs no mask.
   __device__ __forceinline__ bool covers(int m0, int m_last, int n0, int n_last) const {
     return m_last < seqlen_q && n_last < seqlen_k && n0 - m_last >= lo_off && n_last - m0 <= hi_off;

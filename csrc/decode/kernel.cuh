@@ -47,11 +47,9 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
   const int seqlen_k = keys.y;
   const KeyWindow window(p, p.seqlen_q, seqlen_k);
   const int i_first = r0 / group, i_last = (min(r0 + kBlockM, rows) - 1) / group;
-  const int n_begin = max(0, window.lo(i_first));
-  const int n_end = window.hi(i_last) + 1;
   // This split's share of the visible key blocks, then this warp's: blocks c0 + warp + kWarps * it.
-  const int blk_begin = n_begin / kBlockN;
-  const int blk_end = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : blk_begin;
+  const int2 blocks = window.key_blocks(i_first, i_last, kBlockN);
+  const int blk_begin = blocks.x, blk_end = blocks.y;
   const int per_split = (blk_end - blk_begin + p.num_splits - 1) / p.num_splits;
   const int c0 = blk_begin + split * per_split;
   const int c1 = min(blk_end, c0 + per_split);

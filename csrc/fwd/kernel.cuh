@@ -42,10 +42,8 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
 
   const KeyWindow w(p, seqlen_q, seqlen_k);
   const int m_last = min(m0 + kBlockM, seqlen_q) - 1;
-  const int n_begin = max(0, w.lo(m0));
-  const int n_end = w.hi(m_last) + 1;
-  const int n_block_min = n_begin / kBlockN;
-  const int n_block_max = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min;
+  const int2 blocks = w.key_blocks(m0, m_last, kBlockN);
+  const int n_block_min = blocks.x, n_block_max = blocks.y;
 
   const int head_k = head / (p.h / p.h_k);
   const T* q = static_cast<const T*>(p.q) + batch * p.q_batch_stride + int64_t(q_start + m0) * p.q_row_stride +

@@ -88,10 +88,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   const KeyWindow w(p, seqlen_q, seqlen_k);
   const int m_last = min(m0 + kBlockM, seqlen_q) - 1;
-  const int n_begin = max(0, w.lo(m0));
-  const int n_end = w.hi(m_last) + 1;
-  const int n_block_min = n_begin / kBlockN;
-  const int n_block_max = n_end > n_begin ? (n_end + kBlockN - 1) / kBlockN : n_block_min;
+  const int2 blocks = w.key_blocks(m0, m_last, kBlockN);
+  const int n_block_min = blocks.x, n_block_max = blocks.y;
 
   if (threadIdx.x == 0) {
     sm90::mbar_init(q_full, 1);
