@@ -86,6 +86,7 @@ class Case:
     leftpad: Optional[tuple] = None  # kvcache
     seqlens_int: bool = False  # kvcache: cache_seqlens passed as one int
     num_splits: int = 0  # kvcache: the decode kernel's split count (0: its own choice)
+    sinks: bool = False  # learned attention sinks (float32, one per query head), with a gradient
     corrupt: str = ""  # run_bad_case: which argument to break (see BAD)
     seed: int = 0
 
@@ -198,7 +199,8 @@ def draw_case(src, lim: Limits, kinds=("dense", "varlen", "kvcache")) -> Case:
                 alibi=src.pick(("", "", "", "h", "bh")),
                 dropout=0.0 if kind == "kvcache" else src.pick((0.0, 0.0, 0.0, 0.17)),
                 deterministic=src.pick((False, True)), scale=src.pick((None, None, 0.3)),
-                layout=src.pick(("contiguous", "transposed", "padded")), seed=src.int(0, 2**31 - 1), **extra)
+                layout=src.pick(("contiguous", "transposed", "padded")), seed=src.int(0, 2**31 - 1),
+                sinks=src.pick((False, False, False, True)), **extra)  # drawn last: older draws keep their cases
 
 
 # ---- running a case ---------------------------------------------------------------------------------------------
@@ -221,6 +223,10 @@ def _slopes(case: Case, gen, device):
         return None
     shape = (case.h,) if case.alibi == "h" else (case.b, case.h)
     return (torch.rand(*shape, generator=gen) * 0.3).to(device)
+
+
+def _sinks(case: Case, gen, device):
+    return torch.randn(case.h, generator=gen).to(device) if case.sinks else None
 
 
 def _rng_state(case: Case, device):
@@ -255,6 +261,7 @@ class _Inputs:
             self.cu_q, self.cu_k = _cu(case.lens_q, device), _cu(case.lens_k, device)
         self.slopes = _slopes(case, gen, device)
         self.rng_state = _rng_state(case, device)
+        self.sinks = _sinks(case, gen, device)
 
     def sequences(self, case: Case):
         """(index, q, k, v, dout row slices as (1, S, H, D)) per sequence."""
@@ -268,7 +275,7 @@ class _Inputs:
             yield i, (sq, sk), self.q[None, sq], self.k[None, sk], self.v[None, sk], self.dout[None, sq]
 
 
-def _naive_sequence(case: Case, i, q, k, v, slopes, rng_state, dtype, return_lse=False):
+def _naive_sequence(case: Case, i, q, k, v, slopes, rng_state, dtype, return_lse=False, sinks=None):
     """Attention of one sequence in ``dtype`` (autograd-able), dropout mask from the kernels' Philox."""
     keep = None
     if case.dropout > 0:
@@ -279,19 +286,19 @@ def _naive_sequence(case: Case, i, q, k, v, slopes, rng_state, dtype, return_lse
     return reference.naive_attention(q.to(dtype), k.to(dtype), v.to(dtype), softmax_scale=case.scale,
                                      causal=case.causal, window_size=case.window, softcap=case.softcap,
                                      alibi_slopes=alibi, dropout_keep_mask=keep, dropout_p=case.dropout,
-                                     return_lse=return_lse)
+                                     sinks=sinks, return_lse=return_lse)
 
 
-def _ours(case: Case, x: _Inputs, q, k, v):
+def _ours(case: Case, x: _Inputs, q, k, v, sinks=None):
     """The public function (or, with dropout, the op with our own rng_state, so the oracle can redraw it)."""
     if case.dropout > 0:
         cu_q, cu_k = (x.cu_q, x.cu_k) if case.kind == "varlen" else (None, None)
         scale = case.d**-0.5 if case.scale is None else case.scale
         return ops.run_fwd(q, k, v, cu_q, cu_k, max(case.lens_q), max(case.lens_k), scale, case.causal,
                            case.window[0], case.window[1], case.softcap, x.slopes, case.dropout, x.rng_state,
-                           case.deterministic)[0]
+                           case.deterministic, sinks=sinks)[0]
     kw = dict(softmax_scale=case.scale, causal=case.causal, window_size=case.window, softcap=case.softcap,
-              alibi_slopes=x.slopes, deterministic=case.deterministic)
+              alibi_slopes=x.slopes, deterministic=case.deterministic, learnable_sink=sinks)
     if case.kind == "dense":
         return flash_attn_func(q, k, v, **kw)
     return flash_attn_varlen_func(q, k, v, x.cu_q, x.cu_k, max(case.lens_q), max(case.lens_k), **kw)
@@ -301,47 +308,60 @@ def _check_trainable(case: Case, device, check: bool = True) -> None:
     x = _Inputs(case, device)
     dtype = DTYPES[case.dtype]
     leaves = [t.detach().requires_grad_() for t in (x.q, x.k, x.v)]  # keeps the view's strides
+    if x.sinks is not None:
+        leaves.append(x.sinks.detach().requires_grad_())
+    names = ("dq", "dk", "dv", "dsinks")[: len(leaves)]
     out = _ours(case, x, *leaves)
     grads = torch.autograd.grad(out, leaves, x.dout, allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
     if case.deterministic:
         again = torch.autograd.grad(_ours(case, x, *leaves), leaves, x.dout, allow_unused=True)
-        for name, g, g2 in zip("qkv", grads, again):
-            assert g2 is None or torch.equal(g, g2), f"d{name}: deterministic=True gave two different results"
+        for name, g, g2 in zip(names, grads, again):
+            assert g2 is None or torch.equal(g, g2), f"{name}: deterministic=True gave two different results"
     if not check:
         return
-    results, rounding = {}, [torch.zeros_like(x.q, dtype=torch.float64), torch.zeros_like(x.k, dtype=torch.float64)]
-    d_sum = [0.0, 0.0]  # dQ, dK: bound of D's float32 sum (below)
+    f64 = dict(dtype=torch.float64)
+    # The backward's two D terms (below) for dq, dk and the sinks: exact rounding, float32-sum bound.
+    rounding = [torch.zeros_like(x.q, **f64), torch.zeros_like(x.k, **f64), torch.zeros(case.h, **f64, device=device)]
+    d_sum = [0.0, 0.0, torch.zeros(case.h, **f64, device=device)]
     scale = case.d**-0.5 if case.scale is None else case.scale
+    results = {}
     for precision in (torch.float64, dtype):
-        outs, dq, dk, dv = [], torch.zeros_like(x.q, dtype=precision), torch.zeros_like(x.k, dtype=precision), \
-            torch.zeros_like(x.v, dtype=precision)
+        ref = [torch.zeros_like(t, dtype=precision) for t in leaves]
+        sinks = None if x.sinks is None else x.sinks.detach().to(precision).requires_grad_()
+        outs = []
         for i, rows, q, k, v, dout in x.sequences(case):
             q, k, v = (t.detach().to(precision).requires_grad_() for t in (q, k, v))
-            o, lse = _naive_sequence(case, i, q, k, v, x.slopes, x.rng_state, precision, return_lse=True)
-            gq, gk, gv = torch.autograd.grad(o, (q, k, v), dout.to(precision), allow_unused=True, retain_graph=True)
+            inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+            o, lse = _naive_sequence(case, i, q, k, v, x.slopes, x.rng_state, precision, True, sinks)
+            g = torch.autograd.grad(o, inputs, dout.to(precision), allow_unused=True, retain_graph=True)
             outs.append(o.detach()[0])
             rq, rk = (rows, rows) if case.kind == "dense" else rows
-            dq[rq] = 0 if gq is None else gq[0]
-            dk[rk] = 0 if gk is None else gk[0]
-            dv[rk] = 0 if gv is None else gv[0]
+            for r, gi, at in zip(ref, g, (rq, rk, rk)):
+                r[at] = 0 if gi is None else gi[0]
+            if sinks is not None and g[3] is not None:
+                ref[3] += g[3]
             if precision is torch.float64 and q.numel() and k.numel():
                 # The backward's D = rowsum(dO * O) reads O as stored, rounded to the input dtype (flash-attn's
                 # design): dS = P (dP - D) is off by -P * dD. In float64 that is the gradient of -dD . LSE.
                 mine = out.detach()[rq] if case.kind == "dense" else out.detach()[None, rq]
                 d_d = (dout.double() * (mine.double() - o.detach())).sum(-1).transpose(1, 2)
-                cq, ck = torch.autograd.grad(-(d_d * lse).sum(), (q, k), allow_unused=True)
-                rounding[0][rq] = 0 if cq is None else cq[0]
-                rounding[1][rk] = 0 if ck is None else ck[0]
+                c = torch.autograd.grad(-(d_d * lse).sum(), inputs[:2] + inputs[3:], allow_unused=True,
+                                        retain_graph=True)
+                rounding[0][rq] = 0 if c[0] is None else c[0][0]
+                rounding[1][rk] = 0 if c[1] is None else c[1][0]
                 # D is a float32 sum over the head dim: off by up to ~1 ulp of sum |dO * O| per row (b), which
                 # dS = P (dP - D) carries into dQ (sum_k P = 1) and dK (sum_i P_ik b_i: the gradient of V for
-                # an output gradient of b / d on every column).
+                # an output gradient of b / d on every column), and d sink = -sum_i exp(sink - LSE_i) D_i.
                 b = _ULP[torch.float32] * (dout.double() * mine.double()).abs().sum(-1, keepdim=True)
                 seen = torch.autograd.grad(o, v, b.expand_as(o) / o.shape[-1], retain_graph=True)[0].sum(-1)
                 d_sum[0] = max(d_sum[0], scale * b.max().item() * k.detach().abs().max().item())
                 d_sum[1] = max(d_sum[1], scale * seen.max().item() * q.detach().abs().max().item())
+                if sinks is not None:
+                    rounding[2] += 0 if c[2] is None else c[2]
+                    d_sum[2] += torch.autograd.grad((b[..., 0].transpose(1, 2) * lse).sum(), sinks)[0]
         ref_out = torch.stack(outs) if case.kind == "dense" else torch.cat(outs) if outs else x.q.to(precision)
-        results[precision] = (ref_out.reshape(out.shape), dq, dk, dv)
+        results[precision] = (ref_out.reshape(out.shape), *ref)
     ref, same = results[torch.float64], results[dtype]
     assert_close(out.detach(), ref[0], same[0], "out")
     # Float32 cancellation in D over a sequence's rows, which the naive math does not have (its exact zeros, e.g.
@@ -355,10 +375,12 @@ def _check_trainable(case: Case, device, check: bool = True) -> None:
         row_d = (x.dout.double() * out.detach().double()).pow(2).sum(-1).sqrt().max().item()
         qk = max(x.q.abs().max().item(), x.k.abs().max().item() if x.k.numel() else 0.0)
         slack += scale * _ULP[dtype] * row_d * qk * math.sqrt(longest) / (1 - case.dropout)
-    for name, g, r, s, c, f32 in zip(("dq", "dk", "dv"), grads, ref[1:], same[1:], rounding + [None], d_sum + [0]):
+    extras = [rounding[0], rounding[1], None, rounding[2]]
+    bounds = [d_sum[0], d_sum[1], 0.0, d_sum[2].max().item()]
+    for name, gi, r, sp, c, f32 in zip(names, grads, ref[1:], same[1:], extras, bounds):
         # the rounding term, itself rounded with dS to the input dtype before the dQ / dK products
         extra = c.abs().max().item() * (1 + _ULP[dtype]) if c is not None and c.numel() else 0.0
-        assert_close(g, r, s, name, factor=3.0, slack=slack + extra + f32)  # tests/test_kernels_bwd.py's factor
+        assert_close(gi, r, sp, name, factor=3.0, slack=slack + extra + f32)  # tests/test_kernels_bwd.py's factor
 
 
 def _cache_inputs(case: Case, device):
@@ -372,11 +394,12 @@ def _cache_inputs(case: Case, device):
         new = [_tensor(gen, (b, case.s_new, hk, d), dtype, case.layout, device) for _ in range(2)]
     seqlens = torch.tensor(case.lens_k, dtype=torch.int32, device=device)
     leftpad = None if case.leftpad is None else torch.tensor(case.leftpad, dtype=torch.int32, device=device)
-    return q, k_cache, v_cache, new, seqlens, leftpad, _slopes(case, gen, device)
+    slopes = _slopes(case, gen, device)
+    return q, k_cache, v_cache, new, seqlens, leftpad, slopes, _sinks(case, gen, device)
 
 
 def _check_kvcache(case: Case, device, check: bool = True) -> None:
-    q, k_cache, v_cache, (k_new, v_new), seqlens, leftpad, slopes = _cache_inputs(case, device)
+    q, k_cache, v_cache, (k_new, v_new), seqlens, leftpad, slopes, sinks = _cache_inputs(case, device)
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
     for i, n in enumerate(case.lens_k):
         if case.s_new:
@@ -385,7 +408,7 @@ def _check_kvcache(case: Case, device, check: bool = True) -> None:
                                   cache_seqlens=case.lens_k[0] if case.seqlens_int else seqlens,
                                   cache_leftpad=leftpad, softmax_scale=case.scale, causal=case.causal,
                                   window_size=case.window, softcap=case.softcap, alibi_slopes=slopes,
-                                  num_splits=case.num_splits)
+                                  num_splits=case.num_splits, learnable_sink=sinks)
     assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v), "the in-place append"
     if not check:
         return
@@ -394,7 +417,7 @@ def _check_kvcache(case: Case, device, check: bool = True) -> None:
         for i, n in enumerate(case.lens_k):
             start, end = (0 if leftpad is None else case.leftpad[i]), n + case.s_new
             rows.append(_naive_sequence(case, i, q[i : i + 1], k_cache[i : i + 1, start:end],
-                                        v_cache[i : i + 1, start:end], slopes, None, precision))
+                                        v_cache[i : i + 1, start:end], slopes, None, precision, sinks=sinks))
         if precision == torch.float64:
             ref = torch.cat(rows)
         else:
@@ -481,7 +504,7 @@ def _broken_args(case: Case, device, rng: random.Random):
             match = rf"{name} must be contiguous"
         cu_q, cu_k = (cu, x.cu_k) if name == "cu_seqlens_q" else (x.cu_q, cu)
         return flash_attn_varlen_func, (x.q, x.k, x.v, cu_q, cu_k, max_q, max_k), dict(causal=case.causal), match
-    q, k_cache, v_cache, (k_new, v_new), seqlens, leftpad, _ = _cache_inputs(case, device)
+    q, k_cache, v_cache, (k_new, v_new), seqlens, leftpad, _, _ = _cache_inputs(case, device)
     i = rng.randrange(case.b)
     kw = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, causal=case.causal)
     if c == "seqlens_over":
