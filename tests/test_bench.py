@@ -297,14 +297,20 @@ def test_kernel_cases_cover_the_grid():
     from hf_flash.bench import kernels
 
     full = kernels.cases(list(kernels.SETS), [64, 128], kernels.SEQLENS, kernels.LLAMA_SHAPES)
-    assert len(full) == 2 * 2 * 6 + 3 + 1
+    assert len(full) == 2 * 2 * 6 + 3 + 1 + 2 * 4
     assert all(c.batch * c.seqlen == kernels.TOKENS and c.heads * c.d == kernels.HIDDEN for c in full[:24])
-    assert [c.name for c in full[24:]] == ["llama 8x1k", "llama 2x4k", "llama 1x16k", "varlen 8 docs"]
-    varlen = full[-1]
+    assert [c.name for c in full[24:28]] == ["llama 8x1k", "llama 2x4k", "llama 1x16k", "varlen 8 docs"]
+    varlen = full[27]
     assert (varlen.heads, varlen.kv_heads, min(varlen.docs), max(varlen.docs)) == (32, 8, 1, 5000)
     assert varlen.flops("bwd") == 2.5 * 4 * sum(n * n for n in varlen.docs) * 32 * 128 / 2
-    quick = kernels.cases(list(kernels.SETS), [64, 128], kernels.QUICK_SEQLENS, kernels.QUICK_LLAMA)
-    assert len(quick) == 2 * 2 * 2 + 1 + 1
+    plain, sinks = full[28:30]  # each sinks case follows the same shape without
+    assert (plain.name + kernels.SINKS, plain.sinks, sinks.sinks) == (sinks.name, False, True)
+    assert plain.flops("fwd") == sinks.flops("fwd") == 4 * 8 * 1024**2 * 64 * 64 / 2
+    windowed = next(c for c in full if c.window == 128)
+    assert windowed.flops("fwd") == 4 * (129 * 130 // 2 + 129 * (8192 - 129)) * 64 * 64  # rows 0..128 see i + 1 keys, later 129
+    quick = kernels.cases(list(kernels.SETS), [64, 128], kernels.QUICK_SEQLENS, kernels.QUICK_LLAMA,
+                          kernels.QUICK_SINKS)
+    assert len(quick) == 2 * 2 * 2 + 1 + 1 + 2
 
 
 @pytest.mark.parametrize("mode", ["fwd", "bwd"])
@@ -341,6 +347,11 @@ def test_kernel_tables_and_ratio(tmp_path, monkeypatch):
     assert table[2].split() == ["fwd", "a", "420", "380", "400", "1.050", "(cudnn)", "3.0%"]
     assert table[3].split() == ["fwd", "b", "300", "-", "-", "-", "3.0%"]
     assert "30 / 1000" in kernels.host_table(rows)
+    assert kernels.sink_costs(rows) == ""
+    pair = [row("g", "hf_flash", 1.0), row("g" + kernels.SINKS, "hf_flash", 1.0), row("g", "fa4", 1.0)]
+    pair[1].gpu_ms = 1.08
+    costs = kernels.sink_costs(pair).splitlines()
+    assert costs[-1].split() == ["fwd", "g", "1000", "->", "1080", "µs", "(+8.0%)", "-"]  # fa4 ran one of the two
     pytest.importorskip("matplotlib")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "H100")
     kernels.plot(rows, str(tmp_path / "kernels.png"))

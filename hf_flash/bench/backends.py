@@ -50,20 +50,29 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def dense(backend: str, causal: bool):
-    """f(q, k, v) -> out on (B, S, H, D); k/v may have fewer heads (GQA)."""
+def dense(backend: str, causal: bool, window: int = -1):
+    """f(q, k, v, sinks=None) -> out on (B, S, H, D); k/v may have fewer heads (GQA); ``window`` >= 0 limits
+    each query to that many earlier keys (causal sliding window); ``sinks`` are learned per-head logits
+    (gpt-oss). SDPA has neither (NotImplementedError)."""
     if backend == "hf_flash":
         from hf_flash import flash_attn_func
 
-        return lambda q, k, v: flash_attn_func(q, k, v, causal=causal)
+        return lambda q, k, v, sinks=None: flash_attn_func(q, k, v, causal=causal, window_size=(window, -1),
+                                                           learnable_sink=sinks)
     if backend == FA4:
         func = fa4()[0]
-        return lambda q, k, v: _first(func(q, k, v, causal=causal))
+        size = (None if window < 0 else window, None)
+        return lambda q, k, v, sinks=None: _first(func(q, k, v, causal=causal, window_size=size,
+                                                       learnable_sink=sinks))
+    if window >= 0:
+        raise NotImplementedError(f"{backend}: no sliding window without a materialised mask")
     from torch.nn.attention import sdpa_kernel
 
     forced = sdpa_backend(backend)
 
-    def sdpa(q, k, v):
+    def sdpa(q, k, v, sinks=None):
+        if sinks is not None:
+            raise NotImplementedError(f"{backend} has no learned sinks")
         with sdpa_kernel(forced):
             out = torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,

@@ -2,9 +2,12 @@
 SDPA-flash, on the same tensors in one process.
 
 Cases: the FlashAttention paper grid (B*S = 16k tokens, H*D = 2048, d in {64, 128}, causal and not,
-S = 512..16k), the Llama GQA 32/8 d128 causal shapes 8 x 1024, 2 x 4096, 1 x 16384, and a packed varlen
-batch of 8 causal documents of 1..5000 tokens (GQA 32/8, d128; SDPA has no packed form).
-FLOPs = 4*B*S^2*H*D (sum over documents when packed; halved when causal); backward 2.5x, forward+backward 3.5x.
+S = 512..16k), the Llama GQA 32/8 d128 causal shapes 8 x 1024, 2 x 4096, 1 x 16384, a packed varlen
+batch of 8 causal documents of 1..5000 tokens (GQA 32/8, d128; SDPA has no packed form), and learned sinks
+(gpt-oss's d64 GQA 64/8 causal layers, full and 128-key windowed, and a d128 shape), each case beside the same
+shape without sinks: the sinks' cost is printed as a table of its own (SDPA has no sinks or windows).
+FLOPs = 4*B*S^2*H*D (sum over documents when packed; halved when causal; the visible keys when windowed);
+backward 2.5x, forward+backward 3.5x.
 Inputs have ``requires_grad=True`` for every pass, as in training; the backward is
 ``torch.autograd.grad`` of a retained forward graph (no gradient accumulation kernels).
 Timing (``timing.CallTimer``): each backend's batch of back-to-back calls is enqueued behind a sleep kernel,
@@ -34,7 +37,12 @@ QUICK_SEQLENS = (1024, 8192)
 LLAMA_SHAPES = ((8, 1024), (2, 4096), (1, 16384))  # (batch, seqlen), GQA 32/8, d128, causal
 QUICK_LLAMA = ((8, 1024),)
 VARLEN_DOCS = (1, 300, 1000, 1700, 2500, 3300, 4200, 5000)  # tokens per packed document
-SETS = ("grid", "llama", "varlen")
+# (name, batch, seqlen, heads, kv_heads, d, window): gpt-oss's full and sliding-window layers, and d128
+SINK_SHAPES = (("gpt-oss 8x1k", 8, 1024, 64, 8, 64, -1), ("gpt-oss 1x8k", 1, 8192, 64, 8, 64, -1),
+               ("gpt-oss 1x8k w128", 1, 8192, 64, 8, 64, 128), ("d128 2x4k", 2, 4096, 32, 8, 128, -1))
+QUICK_SINKS = SINK_SHAPES[:1]
+SINKS = " +sinks"  # the suffix naming a case's learned-sinks twin
+SETS = ("grid", "llama", "varlen", "sinks")
 MODES = ("fwd", "bwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 DEFAULT_BACKENDS = ("hf_flash", B.FA4, "sdpa-cudnn", "sdpa-flash")
@@ -53,8 +61,13 @@ class Case:
     d: int
     causal: bool
     docs: tuple = ()  # packed document lengths; empty = dense
+    window: int = -1  # causal sliding window: each query sees itself and this many earlier keys
+    sinks: bool = False  # learned per-head sinks (gpt-oss)
 
     def flops(self, mode: str) -> float:
+        if self.window >= 0:
+            pairs = self.batch * sum(min(i, self.window) + 1 for i in range(self.seqlen))
+            return 4 * pairs * self.heads * self.d * FLOP_FACTOR[mode]
         squares = sum(n * n for n in self.docs) if self.docs else self.batch * self.seqlen**2
         return 4 * squares * self.heads * self.d / (2 if self.causal else 1) * FLOP_FACTOR[mode]
 
@@ -87,7 +100,8 @@ def _size(s: int) -> str:
     return f"{s // 1024}k" if s % 1024 == 0 else str(s)
 
 
-def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple) -> list[Case]:
+def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple, sinks: tuple = SINK_SHAPES
+          ) -> list[Case]:
     out = []
     if "grid" in sets:
         out += [Case(f"d{d} {'causal' if c else 'full'} {_size(s)}", TOKENS // s, s, HIDDEN // d, HIDDEN // d, d, c)
@@ -97,13 +111,16 @@ def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple) -
     if "varlen" in sets:
         out.append(Case(f"varlen {len(VARLEN_DOCS)} docs", len(VARLEN_DOCS), max(VARLEN_DOCS), 32, 8, 128, True,
                         VARLEN_DOCS))
+    if "sinks" in sets:
+        out += [Case(name + suffix, b, s, h, hk, d, True, window=w, sinks=bool(suffix))
+                for name, b, s, h, hk, d, w in sinks for suffix in ("", SINKS)]
     return out
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--mode", default="fwd,bwd", help="comma list of fwd, bwd, fwdbwd")
     parser.add_argument("--quick", action="store_true",
-                        help=f"S in {QUICK_SEQLENS}, Llama 8x1024 and the packed batch only (< 5 min on an H100)")
+                        help=f"S in {QUICK_SEQLENS}, Llama 8x1024, the packed batch and one sinks pair only")
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma list of {', '.join(SETS)}")
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlens", default="", help="comma list overriding the grid's S")
@@ -119,41 +136,43 @@ def split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _inputs(case: Case, dtype):
+def _inputs(case: Case, dtype) -> tuple:
+    """The leaves requiring grad: q, k, v, and the sinks (float32, as gpt-oss keeps them) when the case has them."""
     kw = {"device": B.DEVICE, "dtype": dtype, "requires_grad": True}
     lead = (sum(case.docs),) if case.docs else (case.batch, case.seqlen)
     q = torch.randn(*lead, case.heads, case.d, **kw)
     k, v = (torch.randn(*lead, case.kv_heads, case.d, **kw) for _ in range(2))
-    return q, k, v
+    if not case.sinks:
+        return q, k, v
+    return q, k, v, torch.randn(case.heads, device=B.DEVICE, requires_grad=True)
 
 
 def _attention(backend: str, case: Case):
     if not case.docs:
-        return B.dense(backend, case.causal)
+        return B.dense(backend, case.causal, case.window)
     cu = torch.tensor([0, *torch.tensor(case.docs).cumsum(0).tolist()], dtype=torch.int32, device=B.DEVICE)
     return B.varlen(backend, case.causal, cu, max(case.docs))
 
 
-def _call(mode: str, attn, q, k, v, dout):
+def _call(mode: str, attn, inputs: tuple, dout):
     """The zero-argument call timed for ``mode``."""
-    inputs = (q, k, v)
     if mode == "fwd":
-        return lambda: attn(q, k, v)
+        return lambda: attn(*inputs)
     if mode == "bwd":
-        out = attn(q, k, v)
+        out = attn(*inputs)
         return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
-    return lambda: torch.autograd.grad(attn(q, k, v), inputs, dout)
+    return lambda: torch.autograd.grad(attn(*inputs), inputs, dout)
 
 
 def measure_case(case: Case, mode: str, names: list[str], rounds: int, timer: CallTimer, dtype,
                  errors: dict) -> list[Row]:
     """Every backend on one case and pass, the backends taking turns in each round."""
-    q, k, v = _inputs(case, dtype)
-    dout = torch.randn_like(q)
+    inputs = _inputs(case, dtype)
+    dout = torch.randn_like(inputs[0])
     fns, sizes = {}, {}
     for name in names:
         try:
-            fn = _call(mode, _attention(name, case), q, k, v, dout)
+            fn = _call(mode, _attention(name, case), inputs, dout)
             sizes[name] = list(timer.warm_up(fn, TARGET_MS, MAX_CALLS))
             fns[name] = fn
         except Exception as e:  # noqa: BLE001  (the backend refuses the shape, or is absent)
@@ -175,8 +194,7 @@ def measure_case(case: Case, mode: str, names: list[str], rounds: int, timer: Ca
         tf = median_spread([case.flops(mode) / g * 1e-9 for g, _ in per_round])
         rows.append(Row(mode, case.name, case.d, case.causal, case.seqlen, case.batch, case.heads, case.kv_heads,
                         name, *gpu, *host, *tf, sizes[name][0], len(per_round)))
-    fns = values = None
-    del q, k, v, dout
+    fns = values = inputs = dout = None
     torch.cuda.empty_cache()
     return rows
 
@@ -269,6 +287,22 @@ def summary(rows: list[Row]) -> str:
     return _table(["case", "hf_flash TFLOP/s", "fa4", "cudnn", "ratio vs best", "spread"], lines)
 
 
+def sink_costs(rows: list[Row]) -> str:
+    """GPU time with learned sinks over the same case without, per backend that ran both (the target: +10%
+    at most)."""
+    by = {(r.mode, r.case, r.backend): r for r in rows}
+    names = [b for b in ("hf_flash", B.FA4) if any(r.backend == b for r in rows)]
+    lines = []
+    for mode, case in dict.fromkeys((r.mode, r.case) for r in rows):
+        if not case.endswith(SINKS):
+            continue
+        plain = case[: -len(SINKS)]
+        cells = [(by.get((mode, plain, b)), by.get((mode, case, b))) for b in names]
+        lines.append([f"{mode} {plain}", *(f"{w.gpu_ms * 1e3:.0f} -> {s.gpu_ms * 1e3:.0f} µs ({s.gpu_ms / w.gpu_ms - 1:+.1%})"
+                                            if w and s else "-" for w, s in cells)])
+    return "learned sinks: GPU time without -> with\n" + _table(["case", *names], lines) if lines else ""
+
+
 def record(args, rows: list[Row]) -> None:
     out = []
     for r in rows:
@@ -300,12 +334,14 @@ def run(args) -> None:
     if B.FA4 in split(args.backends) and B.FA4 not in names:
         print(f"fa4 column left out: flash_attn.cute does not import ({B.fa4()[2]})", file=sys.stderr)
     seqlens = tuple(int(s) for s in split(args.seqlens)) or (QUICK_SEQLENS if args.quick else SEQLENS)
-    grid = cases(sets, [int(d) for d in split(args.head_dims)], seqlens, QUICK_LLAMA if args.quick else LLAMA_SHAPES)
+    grid = cases(sets, [int(d) for d in split(args.head_dims)], seqlens, QUICK_LLAMA if args.quick else LLAMA_SHAPES,
+                 QUICK_SINKS if args.quick else SINK_SHAPES)
     timer = CallTimer()
     rows, errors, env = [], {}, results.environment()
     for case in tqdm(grid, desc="kernels", unit="case"):
         for mode in modes:
-            eligible = [n for n in names if not (n == "sdpa-math" and case.seqlen > MATH_MAX_SEQLEN)]
+            eligible = [n for n in names if not (n == "sdpa-math" and case.seqlen > MATH_MAX_SEQLEN)
+                        and not (n in B.SDPA and (case.sinks or case.window >= 0))]  # SDPA has neither
             rows += measure_case(case, mode, eligible, args.rounds, timer, dtype, errors)
         env = write_csv(rows, args.out, "kernels.csv")  # after every case: a cut-off run keeps what it measured
     plot(rows, os.path.join(args.out, "kernels.png"))
@@ -314,4 +350,5 @@ def run(args) -> None:
     for (mode, case, name), why in errors.items():
         print(f"n/a: {mode} {case} {name}: {why}")
     print(host_table(rows))
+    print(sink_costs(rows))
     print(summary(rows))
