@@ -368,7 +368,9 @@ class FwdFunction : public torch::autograd::Function<FwdFunction> {
                                 d.at("deterministic").toBool());
     variable_list result(17);  // one entry per forward argument; q, k, v and the sinks get gradients
     result[0] = dq; result[1] = dk; result[2] = dv;
-    if (s[9].defined() && ctx->needs_input_grad(16)) {
+    // needs_input_grad counts only the tensors passed: q, k, v, then the defined optionals in order
+    const size_t sinks_edge = 3 + s[5].defined() + s[6].defined() + s[7].defined() + s[8].defined();
+    if (s[9].defined() && ctx->needs_input_grad(sinks_edge)) {
       // The LSE includes the sinks, so the backward above is already exact for q, k, v; and
       // d sink_h = -sum over the rows of head h of exp(sink_h - LSE) * rowsum(dO * O).
       const at::Tensor& lse = s[4];
