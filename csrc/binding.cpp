@@ -275,13 +275,13 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
 }
 
 // hf_flash::bwd: attention backward from fwd's saved out and LSE (same arguments as fwd, led by dout):
-// (dq, dk, dv) like (q, k, v), GQA head groups summed into dk / dv.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+// (dq, dk, dv) like (q, k, v), GQA head groups summed into dk / dv, and d sinks (float32 (h,); (0,) without).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const c10::optional<at::Tensor>& cu_seqlens_q, const c10::optional<at::Tensor>& cu_seqlens_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, double dropout_p,
-    const c10::optional<at::Tensor>& rng_state, bool deterministic) {
+    const c10::optional<at::Tensor>& rng_state, bool deterministic, const c10::optional<at::Tensor>& sinks) {
   const bool varlen = cu_seqlens_q.has_value();
   check_qkv(q, k, v, varlen);
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "hf_flash: dout and out must have q's shape");
@@ -291,7 +291,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   c10::cuda::CUDAGuard guard(q.device());
   const int64_t hd = kernel_head_dim(q.size(-1));
   Output dq(q, hd), dk(k, hd), dv(v, hd);
-  if (q.numel() == 0 || k.numel() == 0) return {dq.out.zero_(), dk.out.zero_(), dv.out.zero_()};
+  const at::Tensor sink = sinks_for_kernel(sinks, q);
+  // Written by the backward's prologue; zero when no key is visible (then O = 0, so rowsum(dO * O) = 0).
+  at::Tensor dsinks = at::empty({sink.defined() ? q.size(-2) : 0}, q.options().dtype(at::kFloat));
+  if (q.numel() == 0 || k.numel() == 0) return {dq.out.zero_(), dk.out.zero_(), dv.out.zero_(), dsinks.zero_()};
   const auto qk = for_kernel(q, hd), kk = for_kernel(k, hd), vk = for_kernel(v, hd);
   const auto outk = for_kernel(out, hd), doutk = for_kernel(dout, hd), lsek = lse.contiguous();
   // Locals: a copy must stay alive until the launch.
@@ -309,7 +312,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   strides(dk.kernel, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
   strides(dv.kernel, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
   p.deterministic = deterministic;
-  if (p.seqlen_q == 0 || p.seqlen_k == 0) return {dq.out.zero_(), dk.out.zero_(), dv.out.zero_()};
+  p.sinks = sink.defined() ? sink.data_ptr<float>() : nullptr;
+  p.dsinks = sink.defined() ? dsinks.data_ptr<float>() : nullptr;
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) return {dq.out.zero_(), dk.out.zero_(), dv.out.zero_(), dsinks.zero_()};
 #ifdef HF_FLASH_DISABLE_BACKWARD
   TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_BACKWARD=1");
 #else
@@ -317,7 +322,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   p.workspace = workspace.data_ptr();
   C10_CUDA_CHECK(run_bwd(p, at::cuda::getCurrentCUDAStream()));
 #endif
-  return {dq.finish(), dk.finish(), dv.finish()};
+  return {dq.finish(), dk.finish(), dv.finish(), dsinks};
 }
 
 using torch::autograd::AutogradContext;
@@ -360,25 +365,20 @@ class FwdFunction : public torch::autograd::Function<FwdFunction> {
     const auto s = ctx->get_saved_variables();
     const auto optional = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
     const auto& d = ctx->saved_data;
-    auto [dq, dk, dv] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], optional(s[5]), optional(s[6]),
-                                d.at("max_seqlen_q").toInt(), d.at("max_seqlen_k").toInt(),
-                                d.at("softmax_scale").toDouble(), d.at("causal").toBool(),
-                                d.at("window_left").toInt(), d.at("window_right").toInt(), d.at("softcap").toDouble(),
-                                optional(s[7]), d.at("dropout_p").toDouble(), optional(s[8]),
-                                d.at("deterministic").toBool());
-    variable_list result(17);  // one entry per forward argument; q, k, v and the sinks get gradients
-    result[0] = dq; result[1] = dk; result[2] = dv;
     // needs_input_grad counts only the tensors passed: q, k, v, then the defined optionals in order
     const size_t sinks_edge = 3 + s[5].defined() + s[6].defined() + s[7].defined() + s[8].defined();
-    if (s[9].defined() && ctx->needs_input_grad(sinks_edge)) {
-      // The LSE includes the sinks, so the backward above is already exact for q, k, v; and
-      // d sink_h = -sum over the rows of head h of exp(sink_h - LSE) * rowsum(dO * O).
-      const at::Tensor& lse = s[4];
-      const at::Tensor sink = s[9].to(at::kFloat), delta = (grads[0].to(at::kFloat) * s[3].to(at::kFloat)).sum(-1);
-      const at::Tensor weight = s[5].defined() ? at::exp(sink.view({-1, 1}) - lse).t()  // varlen (total, h)
-                                               : at::exp(sink.view({1, -1, 1}) - lse).transpose(1, 2);  // (b, s, h)
-      result[16] = -(weight * delta).reshape({-1, sink.size(0)}).sum(0).to(s[9].scalar_type());
-    }
+    const bool dsinks_needed = s[9].defined() && ctx->needs_input_grad(sinks_edge);
+    auto [dq, dk, dv, dsinks] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], optional(s[5]), optional(s[6]),
+                                        d.at("max_seqlen_q").toInt(), d.at("max_seqlen_k").toInt(),
+                                        d.at("softmax_scale").toDouble(), d.at("causal").toBool(),
+                                        d.at("window_left").toInt(), d.at("window_right").toInt(),
+                                        d.at("softcap").toDouble(), optional(s[7]), d.at("dropout_p").toDouble(),
+                                        optional(s[8]), d.at("deterministic").toBool(),
+                                        dsinks_needed ? optional(s[9]) : c10::nullopt);
+    // The LSE includes the sinks, so dq, dk, dv need nothing more; d sinks comes from the op when asked for.
+    variable_list result(17);  // one entry per forward argument; q, k, v and the sinks get gradients
+    result[0] = dq; result[1] = dk; result[2] = dv;
+    if (dsinks_needed) result[16] = dsinks.to(s[9].scalar_type());
     return result;
   }
 };
@@ -405,7 +405,8 @@ TORCH_LIBRARY(hf_flash, m) {
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
         "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
         "int window_left, int window_right, float softcap, Tensor? alibi_slopes, float dropout_p, "
-        "Tensor? rng_state, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+        "Tensor? rng_state, bool deterministic, Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv, "
+        "Tensor dsinks)");
   m.def("fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? cache_leftpad, "
         "float softmax_scale, bool causal, int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
         "int num_splits, Tensor? sinks=None) -> (Tensor out, Tensor lse)");

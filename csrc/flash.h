@@ -93,6 +93,9 @@ struct BwdParams : FwdParams {
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
 
+  // (h,) float32 d loss / d sinks, written when `sinks` is set (the forward's learned sinks).
+  float* __restrict__ dsinks;
+
   // Workspace owned by the caller (sizes from bwd_workspace_bytes()).
   void* workspace;
   bool deterministic;  // bitwise-reproducible dq/dk/dv

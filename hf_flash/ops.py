@@ -86,7 +86,8 @@ def _lse_shape(q: Tensor, varlen: bool):
 def run_fwd(*args, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """hf_flash::fwd's arguments and result (out, lse), on the kernels or the reference; differentiable.
     ``sinks`` (H,): learned attention sinks, in every row's softmax denominator (the LSE includes them) and
-    with a gradient (``reference.sink_rescale`` states the rule)."""
+    with a gradient (``reference.sink_rescale`` states the rule; the kernels add the sink in their epilogues and
+    the backward op returns d sinks)."""
     if not uses_kernels(args[0]):
         return reference.fwd(*args, sinks=sinks)
     return torch.ops.hf_flash.fwd.default(*args, sinks)
@@ -106,8 +107,10 @@ def _register_fakes() -> None:
         return torch.empty_like(q), q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=torch.float32)
 
     @torch.library.register_fake("hf_flash::bwd")
-    def _(dout, q, k, v, *rest):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+          window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic, sinks=None):
+        dsinks = q.new_empty((q.shape[-2] if sinks is not None else 0,), dtype=torch.float32)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
     @torch.library.register_fake("hf_flash::fwd_kvcache")
     def _(q, *rest):

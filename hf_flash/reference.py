@@ -223,8 +223,8 @@ def sink_rescale(lse, sinks, head_dim: int):
     and adds no value), applied to a finished attention result: returns ``(L, factor)`` with
     ``L = logaddexp(lse, sink)`` the row's new log-sum-exp and ``factor = exp(lse - L)`` what its output is
     multiplied by. A row with no visible key (lse = +inf) gets ``L = sink`` and factor 0. ``sinks`` (H,) is
-    broadcast along ``head_dim`` of ``lse``; math in lse's dtype. Differentiable (the reference path), and the
-    rule the kernel path (``hf_flash.ops``) applies to the kernels' output."""
+    broadcast along ``head_dim`` of ``lse``; math in lse's dtype. Differentiable (the reference path); the kernels
+    apply the same rule in their epilogues (``fwd::row_norm``) and return d sink from the backward's prologue."""
     shape = [1] * lse.dim()
     shape[head_dim] = -1
     sink = sinks.to(lse.dtype).view(shape)

@@ -63,7 +63,7 @@ def _dense_case(b, sq, sk, h, hk, d, dtype, causal, window, softcap, alibi, drop
     opts = (scale, causal, window[0], window[1], softcap, slopes, dropout_p, rng)
     out32, lse = reference.fwd(*f32, None, None, sq, sk, *opts)
     ref = reference.bwd(dout.float(), *f32, out32, lse, None, None, sq, sk, *opts)
-    ours = torch.ops.hf_flash.bwd(dout, q, k, v, out32.to(dtype), lse, None, None, sq, sk, *opts, deterministic)
+    ours = torch.ops.hf_flash.bwd(dout, q, k, v, out32.to(dtype), lse, None, None, sq, sk, *opts, deterministic)[:3]
     keep = None
     if dropout_p > 0:
         rows, cols = torch.arange(sq, device="cuda"), torch.arange(sk, device="cuda")
@@ -107,7 +107,7 @@ def test_grads_varlen(d, causal, hk):
     mq, mk = max(lens_q), max(lens_k)
     out32, lse = reference.fwd(*f32, cu_q, cu_k, mq, mk, *opts)
     ref = reference.bwd(dout.float(), *f32, out32, lse, cu_q, cu_k, mq, mk, *opts)
-    ours = torch.ops.hf_flash.bwd(dout, q, k, v, out32.to(dtype), lse, cu_q, cu_k, mq, mk, *opts, False)
+    ours = torch.ops.hf_flash.bwd(dout, q, k, v, out32.to(dtype), lse, cu_q, cu_k, mq, mk, *opts, False)[:3]
     same = [[], [], []]
     for i in range(len(lens_q)):
         sl_q, sl_k = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
@@ -126,19 +126,24 @@ def _bwd_args(b=2, s=2048, h=16, hk=8, d=128, causal=True):
 
 
 def test_deterministic():
-    """50 runs, bitwise equal; 16 key blocks over 8 dQ copies, so lanes walk 2 blocks each."""
+    """50 runs, bitwise equal (d sinks too); 16 key blocks over 8 dQ copies, so lanes walk 2 blocks each."""
     args = _bwd_args()
-    first = torch.ops.hf_flash.bwd(*args, True)
+    sinks = torch.randn(args[1].shape[-2], device="cuda")
+    first = torch.ops.hf_flash.bwd(*args, True, sinks)
+    assert first[3].shape == sinks.shape and first[3].dtype == torch.float32
     for _ in range(49):
-        again = torch.ops.hf_flash.bwd(*args, True)
+        again = torch.ops.hf_flash.bwd(*args, True, sinks)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
-    fast = torch.ops.hf_flash.bwd(*args, False)
+    fast = torch.ops.hf_flash.bwd(*args, False, sinks)
     for a, b in zip(first, fast):
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
-def test_opcheck():
-    torch.library.opcheck(torch.ops.hf_flash.bwd.default, (*_bwd_args(1, 129, 4, 2, 64), False))
+@pytest.mark.parametrize("sinks", [False, True])
+def test_opcheck(sinks):
+    args = _bwd_args(1, 129, 4, 2, 64)
+    extra = (torch.randn(4, device="cuda"),) if sinks else ()
+    torch.library.opcheck(torch.ops.hf_flash.bwd.default, (*args, False, *extra))
 
 
 def _forward_built() -> bool:

@@ -79,6 +79,34 @@ __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const BwdParams p, f
   if (ok && lane == 0) dsum[int64_t(head) * p.total_q + row] = acc;
 }
 
+// d sink_h = -sum over the rows of head h of exp(sink_h - LSE) * D: a sink is one more term of each row's
+// denominator (the LSE includes it), so its gradient is -P(sink) * rowsum(dO * O). One block per head walks the
+// rows of every sequence (not the rows outside them) in a fixed order: deterministic, and D is already here.
+constexpr int kSinkThreads = 256;
+static __global__ void __launch_bounds__(kSinkThreads) sink_grad_kernel(const BwdParams p, const float* __restrict__ dsum) {
+  const int head = blockIdx.x;
+  const float sink = p.sinks[head];
+  float acc = 0.f;
+  for (int b = 0; b < p.b; ++b) {
+    const int2 rows = seq_rows(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
+    const int ws0 = p.cu_seqlens_q ? rows.x : b * p.seqlen_q;
+    const float* lse = p.lse + int64_t(b) * p.lse_batch_stride + int64_t(head) * p.lse_head_stride +
+                       (p.cu_seqlens_q ? rows.x : 0);
+    const float* d = dsum + int64_t(head) * p.total_q + ws0;
+    for (int i = threadIdx.x; i < rows.y; i += kSinkThreads) acc += __expf(sink - lse[i]) * d[i];
+  }
+  __shared__ float warp_sums[kSinkThreads / 32];
+#pragma unroll
+  for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffff, acc, s);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.f;
+    for (int w = 0; w < kSinkThreads / 32; ++w) total += warp_sums[w];
+    p.dsinks[head] = -total;
+  }
+}
+
 // dq = sum over copies of the fp32 accumulator, 8 elements per thread.
 template <bool kIsBf16, int kHeadDim>
 __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p, const float* __restrict__ acc,
@@ -103,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p,
 }
 
 // The backward around either main kernel, one stream and no host synchronisation:
-//   bwd_prologue  zeroes the fp32 dQ accumulators and writes D = rowsum(dO * O) into the workspace;
+//   bwd_prologue  zeroes the fp32 dQ accumulators, writes D = rowsum(dO * O) into the workspace and d sinks;
 //   bwd_epilogue  sums the accumulators into dq.
 struct BwdWorkspace {
   float* dsum;
@@ -128,6 +156,7 @@ cudaError_t bwd_prologue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_
   constexpr int kDotLanes = dot_lanes(kHeadDim);
   dot_do_o_kernel<kIsBf16, kHeadDim><<<(row_warps * kDotLanes + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
       p, ws.dsum);
+  if (p.sinks) sink_grad_kernel<<<p.h, kSinkThreads, 0, stream>>>(p, ws.dsum);
   return cudaSuccess;
 }
 
