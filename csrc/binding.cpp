@@ -87,6 +87,18 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bo
               props->major, ".", props->minor);
 }
 
+// Head dims above kDecodeMaxHeadDim (d512) take large tiles: 160 KB of shared memory per CTA in the forward
+// (csrc/fwd/launch.cuh), 205 KB in the backward (csrc/attn/bwd_config.h). Hopper has 227 KB, the A100 163 KB.
+void check_large_head_dim(const at::Tensor& q, int64_t hd, bool backward) {
+  if (hd <= kDecodeMaxHeadDim) return;
+  const int64_t need = backward ? 205 * 1024 : 160 * 1024;
+  const auto* props = at::cuda::getDeviceProperties(q.get_device());
+  TORCH_CHECK_VALUE(int64_t(props->sharedMemPerBlockOptin) >= need, "hf_flash: head_dim ", hd, " needs ",
+                    need / 1024, " KB of shared memory per block in the ", backward ? "backward" : "forward",
+                    "; this GPU (", props->name, ") has ", props->sharedMemPerBlockOptin / 1024,
+                    " KB. Head dims up to ", kDecodeMaxHeadDim, " run on every GPU of compute capability 8.0+");
+}
+
 c10::optional<at::Tensor> contiguous(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? c10::optional<at::Tensor>(t->contiguous()) : t;
 }
@@ -211,6 +223,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(
 #ifdef HF_FLASH_DISABLE_FORWARD
   TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_FORWARD=1");
 #else
+  check_large_head_dim(q, hd, false);
   C10_CUDA_CHECK(run_fwd(p, at::cuda::getCurrentCUDAStream()));
 #endif
   return {o.finish(), lse};
@@ -232,7 +245,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
                        cache_seqlens.numel() == q.size(0),
                    "hf_flash: cache_seqlens must be an int32 CUDA vector of batch entries");
   c10::cuda::CUDAGuard guard(q.device());
-  const bool decode = q.size(1) <= kDecodeMaxSeqlenQ;
+  const bool decode = q.size(1) <= kDecodeMaxSeqlenQ && q.size(-1) <= kDecodeMaxHeadDim;
   const int64_t d = q.size(-1), hd = decode ? (d + 7) / 8 * 8 : kernel_head_dim(d);
   Output o(q, hd);
   auto lse = lse_like(q, false);
@@ -257,6 +270,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
 #else
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (!decode) {
+    check_large_head_dim(q, hd, false);
     C10_CUDA_CHECK(run_fwd(p, stream));
     return {o.finish(), lse};
   }
@@ -320,6 +334,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 #else
   auto workspace = at::empty({int64_t(bwd_workspace_bytes(p))}, q.options().dtype(at::kByte));
   p.workspace = workspace.data_ptr();
+  check_large_head_dim(q, hd, true);
   C10_CUDA_CHECK(run_bwd(p, at::cuda::getCurrentCUDAStream()));
 #endif
   return {dq.finish(), dk.finish(), dv.finish(), dsinks};

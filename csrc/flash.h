@@ -13,7 +13,7 @@ namespace hf_flash {
 // d is one of the compiled head dims kHeadDims; binding.cpp zero-pads other sizes,
 // so kernels never predicate along d.
 // The head dims the mma.sync families are instantiated for (csrc/generate_kernels.py reads this line).
-constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256};
+constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256, 512};
 constexpr int kMaxHeadDim = kHeadDims[sizeof(kHeadDims) / sizeof(kHeadDims[0]) - 1];
 
 struct FwdParams {
@@ -179,7 +179,9 @@ cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
 
 // Decode against a KV cache (dense, seqused_k set): seqlen_q <= kDecodeMaxSeqlenQ query rows per
 // sequence, the h / h_k query heads of one KV head packed into one tile's rows.
+// Head dims above kDecodeMaxHeadDim (d512) run the forward kernel instead (the generator reads this line).
 constexpr int kDecodeMaxSeqlenQ = 16;
+constexpr int kDecodeMaxHeadDim = 256;
 constexpr int kDecodeMaxSplits = 128;
 constexpr int kDecodeBlockM = 16;       // packed (query, head-in-group) rows per CTA
 constexpr int kDecodeSplitBlock = 256;  // decode_num_splits: at least this many keys per split (4 steps per warp)

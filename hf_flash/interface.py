@@ -17,9 +17,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import checks, ops
+from . import _build, checks, ops
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = _build.generator(_build.csrc_dir()).HEAD_DIMS[-1]  # csrc/flash.h's kHeadDims, the one list
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

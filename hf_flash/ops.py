@@ -44,7 +44,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 def backend_for(q: Tensor) -> tuple[str, str]:
     """("cuda" | "reference", reason) for a query tensor. The kernels take every head dim the API accepts
-    (1..256: the C++ ops zero-pad it to a compiled one)."""
+    (1..512: the C++ ops zero-pad it to a compiled one)."""
     return _backend(q.device, q.dtype)
 
 

@@ -88,8 +88,7 @@ _DISENTANGLED = ("its disentangled attention adds content-to-position and positi
 _GLOBAL_LOCAL = ("its attention mixes a sliding window with global tokens that attend and are attended "
                  "everywhere (chunked in its own code), which one flash attention call cannot express")
 _DRAFTER = ("it is a speculative-decoding drafter: every layer reads the target model's shared key/value cache "
-            "(num_kv_shared_layers = num_hidden_layers), and its Gemma 4 global layers use head_dim 512, above "
-            "hf_flash's maximum 256")
+            "(num_kv_shared_layers = num_hidden_layers), which hf_flash does not read yet")
 _ZERO_PAD = ("with a padded batch, flash attention leaves the padded positions' outputs at zero; where the pad "
              "token's embedding rows are zero too (nn.Embedding padding_idx, as in a freshly initialised model) "
              "their hidden states stay exactly zero, and its AltUp magnitude (mean square ** 0.5, no epsilon) has an "

@@ -19,7 +19,9 @@ from typing import Optional
 
 import torch
 
-from hf_flash import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, ops, reference
+from hf_flash import _build, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, ops, reference
+
+COMPILED_HEAD_DIMS = _build.generator(_build.csrc_dir()).HEAD_DIMS  # csrc/flash.h's kHeadDims
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 # One unit in the last place at 1.0: the rounding of a single output element.
@@ -142,7 +144,7 @@ def length(src, hi: int) -> int:
 def _head_dim(src, hi: int = 256) -> int:
     kind = src.pick(("compiled", "compiled", "other", "tiny"))
     if kind == "compiled":
-        return src.pick((32, 64, 96, 128, 192, 256))
+        return src.pick(COMPILED_HEAD_DIMS)
     if kind == "tiny":
         return src.int(1, 8)
     return src.int(1, hi)
@@ -562,7 +564,7 @@ FAMILY_CASES = [
     *(Case(kind="varlen", dtype="bfloat16", h=4, hk=4, d=d, lens_q=(0, 5, 0, 130, 64), lens_k=(0, 5, 0, 130, 64),
            causal=True) for d in (64, 128)),
     *(Case(kind="dense", dtype=dtype, h=3, hk=3, d=d, lens_q=(77, 77), lens_k=(130, 130), **extra)
-      for d in (32, 96, 256) for dtype in ("bfloat16", "float16")
+      for d in (32, 96, 256, 512) for dtype in ("bfloat16", "float16")
       for extra in ({"causal": True}, {"window": (20, 3), "softcap": 10.0, "dropout": 0.2})),
     Case(kind="varlen", dtype="bfloat16", h=4, hk=2, d=64, lens_q=(0, 5, 129, 1), lens_k=(0, 5, 129, 1), causal=True),
     *(Case(kind="kvcache", dtype="bfloat16", h=h, hk=hk, d=d, lens_q=(sq,) * 3, lens_k=(300, 1, 77), s_cache=300,
@@ -570,6 +572,12 @@ FAMILY_CASES = [
       for d in (64, 128, 256) for sq, h, hk in ((1, 8, 2), (5, 8, 1), (16, 4, 4), (17, 4, 2)) for splits in (0, 1, 3)),
     *(Case(kind="kvcache", dtype="bfloat16", h=8, hk=2, d=d, lens_q=(1,) * 3, lens_k=(300, 1, 77), s_cache=300,
            window=(20, 0), softcap=10.0, causal=True) for d in (64, 128, 256)),
+    # d512: V / O in two column slices (forward), 32-key blocks (backward), a KV cache on the forward kernel
+    Case(kind="dense", dtype="bfloat16", h=4, hk=2, d=512, lens_q=(150, 150), lens_k=(77, 77), causal=True),
+    Case(kind="varlen", dtype="float16", h=2, hk=1, d=512, lens_q=(0, 5, 130, 64), lens_k=(0, 5, 130, 64),
+         causal=True),
+    Case(kind="kvcache", dtype="bfloat16", h=8, hk=2, d=512, lens_q=(1,) * 3, lens_k=(300, 1, 77), s_cache=300,
+         leftpad=(3, 1, 0), causal=True),
 ]
 
 # Failing cases the fuzzer found, kept as regression tests (paste a failure's Case repr here).

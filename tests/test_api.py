@@ -36,8 +36,8 @@ BAD_DENSE = [
     (lambda q, k, v: (q, k[..., :16], v), ValueError, "head dims must match"),
     (lambda q, k, v: (q, k, v[:, :4]), ValueError, "k and v must have the same shape"),
     (lambda q, k, v: (q, k[:, :, :3], v[:, :, :3]), ValueError, "multiple of key/value heads"),
-    (lambda q, k, v: (torch.randn(2, 8, 4, 257), torch.randn(2, 8, 4, 257), torch.randn(2, 8, 4, 257)),
-     ValueError, "head_dim must be in 1..256"),
+    (lambda q, k, v: (torch.randn(2, 8, 4, 513), torch.randn(2, 8, 4, 513), torch.randn(2, 8, 4, 513)),
+     ValueError, "head_dim must be in 1..512"),
     (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "same batch size"),
     ("q", TypeError, "q must be a torch.Tensor"),
 ]

@@ -228,7 +228,7 @@ def fake_fa4(monkeypatch):
 
     module = types.ModuleType("flash_attn.cute.interface")
 
-    def flash_attn_func(q, k, v, softmax_scale=None, causal=False):
+    def flash_attn_func(q, k, v, softmax_scale=None, causal=False, learnable_sink=None):
         return q * 2, None
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -297,7 +297,8 @@ def test_kernel_cases_cover_the_grid():
     from hf_flash.bench import kernels
 
     full = kernels.cases(list(kernels.SETS), [64, 128], kernels.SEQLENS, kernels.LLAMA_SHAPES)
-    assert len(full) == 2 * 2 * 6 + 3 + 1 + 2 * 4
+    assert len(full) == 2 * 2 * 6 + 3 + 1 + 2 * 4 + 4
+    assert [(c.d, c.heads) for c in full[-4:]] == [(256, 8), (512, 4), (256, 8), (512, 4)]
     assert all(c.batch * c.seqlen == kernels.TOKENS and c.heads * c.d == kernels.HIDDEN for c in full[:24])
     assert [c.name for c in full[24:28]] == ["llama 8x1k", "llama 2x4k", "llama 1x16k", "varlen 8 docs"]
     varlen = full[27]
@@ -310,7 +311,7 @@ def test_kernel_cases_cover_the_grid():
     assert windowed.flops("fwd") == 4 * (129 * 130 // 2 + 129 * (8192 - 129)) * 64 * 64  # rows 0..128 see i + 1 keys, later 129
     quick = kernels.cases(list(kernels.SETS), [64, 128], kernels.QUICK_SEQLENS, kernels.QUICK_LLAMA,
                           kernels.QUICK_SINKS)
-    assert len(quick) == 2 * 2 * 2 + 1 + 1 + 2
+    assert len(quick) == 2 * 2 * 2 + 1 + 1 + 2 + 4
 
 
 @pytest.mark.parametrize("mode", ["fwd", "bwd"])

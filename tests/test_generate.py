@@ -242,17 +242,21 @@ GPU_MODELS = {  # head dims the kernels compile, windows and softcap that bite a
                    query_pre_attn_scalar=64),
     "gpt_oss": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"], num_local_experts=4,
                     num_experts_per_tok=2),  # learned sinks
+    "gemma4_text": dict(sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                        per_layer_config={"1": {"head_dim": 512}}, hidden_size_per_layer_input=0,
+                        final_logit_softcapping=None),  # a d512 global layer
 }
+GPU_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+               "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM")}
 
 
 def _gpu_model(name: str, dtype):
-    config = getattr(transformers, {"llama": "LlamaConfig", "mistral": "MistralConfig", "gemma2": "Gemma2Config",
-                                     "gpt_oss": "GptOssConfig"}[name])(
+    config_cls, model_cls = (getattr(transformers, c) for c in GPU_CLASSES[name])
+    config = config_cls(
         vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, max_position_embeddings=16384, initializer_range=0.05, pad_token_id=0,
         bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **GPU_MODELS[name])
-    model_cls = getattr(transformers, {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                       "gemma2": "Gemma2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}[name])
     torch.manual_seed(0)
     return model_cls._from_config(config, attn_implementation="hf_flash", dtype=dtype).cuda().eval()
 

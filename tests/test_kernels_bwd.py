@@ -16,7 +16,7 @@ from hf_flash import reference
 
 pytestmark = pytest.mark.gpu
 
-DIMS = (32, 40, 64, 96, 128, 192, 256)  # 40 runs zero-padded to the d64 kernel
+DIMS = (32, 40, 64, 96, 128, 192, 256, 512)  # 40 runs zero-padded to the d64 kernel
 # (sq, sk, h, hk, causal, window, softcap, alibi); covers S = 1, sq != sk, GQA 1/2/8,
 # fully masked rows (causal with sq > sk), windows, softcap and ALiBi.
 CASES = [

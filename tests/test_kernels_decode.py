@@ -113,7 +113,8 @@ def test_head_dims(d, sq, num_splits):
           num_splits=num_splits)
 
 
-@pytest.mark.parametrize("sq,d", [(17, 64), (64, 64), (17, 80)])  # past the decode kernel: the forward kernel
+# past the decode kernel (more query rows, or a head dim above kDecodeMaxHeadDim): the forward kernel
+@pytest.mark.parametrize("sq,d", [(17, 64), (64, 64), (17, 80), (1, 512), (5, 400)])
 def test_forward_kernel_leftpad(sq, d):
     b, s_cache, h, h_k = 3, 900, 8, 2
     k_cache, v_cache = make_cache(b, s_cache, h_k, d, torch.float16)

@@ -15,7 +15,7 @@ from helpers import assert_close, assert_lse, check_dense, cu_seqlens, poison_al
 pytestmark = pytest.mark.gpu
 
 DTYPES = (torch.bfloat16, torch.float16)
-HEAD_DIMS = (32, 40, 64, 80, 96, 128, 192, 256)  # 40 and 80 are zero-padded to 64 / 96
+HEAD_DIMS = (32, 40, 64, 80, 96, 128, 192, 256, 320, 512)  # 40, 80, 320 are zero-padded to 64 / 96 / 512
 
 
 # ---- dense: head dims x lengths x causal ------------------------------------------------
@@ -36,7 +36,7 @@ def test_dense(dtype, d, sq, sk, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 512])
 @pytest.mark.parametrize("h_k", [8, 4, 1])  # GQA ratios 1, 2, 8
 @pytest.mark.parametrize("causal", [False, True])
 def test_gqa(dtype, d, h_k, causal):
@@ -46,7 +46,7 @@ def test_gqa(dtype, d, h_k, causal):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 512])
 @pytest.mark.parametrize("window", [(16, 0), (32, 8), (-1, 20), (50, -1), (0, 0)])
 @pytest.mark.parametrize("sq,sk", [(113, 203), (203, 113), (512, 512)])
 def test_window(dtype, d, window, sq, sk):
@@ -55,7 +55,7 @@ def test_window(dtype, d, window, sq, sk):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
 @pytest.mark.parametrize("causal", [False, True])
 def test_softcap(dtype, d, causal):
     # Large logits so that the cap matters.

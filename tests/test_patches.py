@@ -164,8 +164,8 @@ def test_score_terms_detected_from_the_models_code(term, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("config_cls, sizes, detail", [
-    ("LlamaConfig", dict(head_dim=512), r"config.head_dim = 512"),
-    ("GPT2Config", dict(n_embd=1024, n_head=2), r"hidden_size // config.num_attention_heads = 512"),  # no head_dim
+    ("LlamaConfig", dict(head_dim=576), r"config.head_dim = 576"),
+    ("GPT2Config", dict(n_embd=2048, n_head=2), r"hidden_size // config.num_attention_heads = 1024"),  # no head_dim
 ])
 def test_head_dim_above_the_maximum_refuses_at_load(config_cls, sizes, detail):
     from hf_flash.interface import MAX_HEAD_DIM

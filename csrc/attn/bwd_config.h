@@ -10,8 +10,8 @@ namespace hf_flash {
 namespace bwd {
 
 constexpr int kThreads = 256;  // 8 warps
-// Keys per CTA: 128 up to d128, 64 above (dK/dV accumulators and smem).
-__host__ __device__ constexpr int block_n(int d) { return d <= 128 ? 128 : 64; }
+// Keys per CTA: 128 up to d128, 64 up to d256, 32 above (dK/dV accumulators and smem: 205 KB at d512).
+__host__ __device__ constexpr int block_n(int d) { return d <= 128 ? 128 : d <= 256 ? 64 : 32; }
 // Deterministic mode: at most this many private fp32 dQ accumulators.
 constexpr int kMaxDqCopies = 8;
 

@@ -19,8 +19,10 @@ struct BwdLargeDTraits {
   static constexpr int kAWarpsN = kBlockN / 16, kACols = kBlockM / (kWarps / kAWarpsN);
   // Phase B, dV += P^T dO and dK += dS^T Q (kBlockN x d): warps tile keys x head dim.
   static constexpr int kBWarpsN = kBlockN / 16, kBCols = kD / (kWarps / kBWarpsN);
-  // Phase C, dQ = dS K (kBlockM x d): warps tile queries x head dim.
+  // Phase C, dQ = dS K (kBlockM x d): warps tile queries x head dim, kCChunk columns at a time (d512: two
+  // chunks, so dQ's registers do not add to dK's and dV's all at once).
   static constexpr int kCWarpsM = kBlockM / 16, kCCols = kD / (kWarps / kCWarpsM);
+  static constexpr int kCChunk = kCCols > 128 ? 128 : kCCols;
   static_assert(kACols % 16 == 0 && kBCols % 16 == 0 && kCCols % 16 == 0, "warp tiles are pairs of n8 tiles");
   // Shared memory, in elements of T, then two float vectors of kBlockM.
   static constexpr int kK = 0, kV = kK + kBlockN * kStrideD, kQ = kV + kBlockN * kStrideD,
@@ -180,28 +182,32 @@ __global__ void __launch_bounds__(kThreads, 1)
       {
         const int wm = warp % Tr::kCWarpsM, wd = warp / Tr::kCWarpsM;
         const int a_row = lane % 8 + lane / 16 * 8, a_col = 16 * wm + lane / 8 % 2 * 8;
-        const int b_row = lane % 8 + lane / 8 % 2 * 8, b_col = wd * Tr::kCCols + lane / 16 * 8;
-        float dq[Tr::kCCols / 8][4] = {};
+        const int b_row = lane % 8 + lane / 8 % 2 * 8;
 #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          uint32_t a[4];
-          tile::ldmatrix_x4_trans(a, sDSt + ((kk * 16 + a_row) * Tr::kStrideM + a_col) * 2);
+        for (int chunk = 0; chunk < Tr::kCCols; chunk += Tr::kCChunk) {
+          const int col0 = wd * Tr::kCCols + chunk, b_col = col0 + lane / 16 * 8;
+          float dq[Tr::kCChunk / 8][4] = {};
 #pragma unroll
-          for (int j = 0; j < Tr::kCCols / 16; ++j) {
-            uint32_t bk[4];
-            tile::ldmatrix_x4_trans(bk, sK + ((kk * 16 + b_row) * Tr::kStrideD + b_col + 16 * j) * 2);
-            mma_pair<kIsBf16>(dq[2 * j], dq[2 * j + 1], a, bk);
+          for (int kk = 0; kk < kBlockN / 16; ++kk) {
+            uint32_t a[4];
+            tile::ldmatrix_x4_trans(a, sDSt + ((kk * 16 + a_row) * Tr::kStrideM + a_col) * 2);
+#pragma unroll
+            for (int j = 0; j < Tr::kCChunk / 16; ++j) {
+              uint32_t bk[4];
+              tile::ldmatrix_x4_trans(bk, sK + ((kk * 16 + b_row) * Tr::kStrideD + b_col + 16 * j) * 2);
+              mma_pair<kIsBf16>(dq[2 * j], dq[2 * j + 1], a, bk);
+            }
           }
-        }
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int i = m0 + 16 * wm + g + 8 * h2;
-          if (i < seq.sq) {
-            float* dst = dq_base + (int64_t(seq.ws0 + i) * p.h + head) * kD + wd * Tr::kCCols + 2 * t;
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int i = m0 + 16 * wm + g + 8 * h2;
+            if (i < seq.sq) {
+              float* dst = dq_base + (int64_t(seq.ws0 + i) * p.h + head) * kD + col0 + 2 * t;
 #pragma unroll
-            for (int j = 0; j < Tr::kCCols / 8; ++j) {
-              atomicAdd(dst + 8 * j, dq[j][2 * h2]);
-              atomicAdd(dst + 8 * j + 1, dq[j][2 * h2 + 1]);
+              for (int j = 0; j < Tr::kCChunk / 8; ++j) {
+                atomicAdd(dst + 8 * j, dq[j][2 * h2]);
+                atomicAdd(dst + 8 * j + 1, dq[j][2 * h2 + 1]);
+              }
             }
           }
         }

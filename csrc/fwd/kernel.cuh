@@ -7,7 +7,8 @@
 //   domain -> (dropout) -> O += P V with P packed from S's registers.
 // O stays unnormalised until the end; the natural-log LSE goes out in fp32.
 // Shared memory holds one Q, one K and one V tile, XOR-swizzled; cp.async
-// loads V during Q K^T and the next K during softmax and P V.
+// loads V during Q K^T and the next K during softmax and P V. Above d256, each
+// of Tr::kVSplit CTAs owns a slice of V's and O's columns (FwdTraits).
 #pragma once
 #include "attn/fwd_math.cuh"
 
@@ -17,8 +18,9 @@ namespace fwd {
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant__ FwdParams p) {
   using T = typename Tr::T;
+  using TV = typename Tr::VSlice;  // V / O columns of this CTA
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kD = Tr::kHeadDim;  // exact head dim (dispatch)
-  constexpr int kMTiles = Tr::kMTiles, kNTiles = Tr::kNTiles, kDTiles = Tr::kDTiles;
+  constexpr int kMTiles = Tr::kMTiles, kNTiles = Tr::kNTiles, kDTiles = Tr::kDTiles, kDV = TV::kHeadDim;
 
   extern __shared__ __align__(128) char smem[];
   const uint32_t sQ = tile::smem_u32(smem), sK = sQ + Tr::kSmemQ, sV = sK + Tr::kSmemKV;
@@ -28,11 +30,11 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
   // B^T = V keys 0-7 / 8-15 x dims 0-7 / 8-15 (two n8 tiles).
   const SwizzledRow<Tr::kRowBytes> q_frag(sQ, warp * kMTiles * 16 + (lane & 15), lane >> 4);
   const SwizzledRow<Tr::kRowBytes> k_frag(sK, (lane >> 4) * 8 + (lane & 7), (lane >> 3) & 1);
-  const SwizzledRow<Tr::kRowBytes> v_frag(sV, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
+  const SwizzledRow<TV::kRowBytes> v_frag(sV, ((lane >> 3) & 1) * 8 + (lane & 7), lane >> 4);
 
   // ---- this CTA's problem --------------------------------------------------------
   const int m_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first
-  const int head = blockIdx.y, batch = blockIdx.z;
+  const int head = blockIdx.y / Tr::kVSplit, v_col = blockIdx.y % Tr::kVSplit * kDV, batch = blockIdx.z;
   const int2 rows_q = seq_rows(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
   const int q_start = rows_q.x, seqlen_q = rows_q.y;
   const int2 keys = key_range(p, batch);
@@ -51,7 +53,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
   const T* k = static_cast<const T*>(p.k) + batch * p.k_batch_stride + int64_t(k_start) * p.k_row_stride +
                head_k * p.k_head_stride;
   const T* v = static_cast<const T*>(p.v) + batch * p.v_batch_stride + int64_t(k_start) * p.v_row_stride +
-               head_k * p.v_head_stride;
+               head_k * p.v_head_stride + v_col;
 
   load_tile<Tr, kBlockM>(sQ, q, p.q_row_stride, seqlen_q - m0, kD);
   if (n_block_max > n_block_min) {
@@ -86,7 +88,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
     const int n0 = n_block * kBlockN;
     tile::cp_async_wait<0>();
     __syncthreads();  // K (and Q) landed; every warp is done with the previous V
-    load_tile<Tr, kBlockN>(sV, v + n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0, kD);
+    load_tile<TV, kBlockN>(sV, v + n0 * p.v_row_stride, p.v_row_stride, seqlen_k - n0, kDV);
     tile::cp_async_commit();
 
     float s[kMTiles][kNTiles][4] = {};
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
 
     uint32_t p_frag[kMTiles][kBlockN / 16][4];
     pack_p<Tr>(p_frag, s);
-    gemm_pv<Tr>(o, p_frag, v_frag);
+    gemm_pv<TV>(o, p_frag, v_frag);
   }
 
   // ---- epilogue: normalise, LSE, O through shared memory to 16-byte stores ---------
@@ -150,29 +152,29 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
       const RowNorm n = row_norm(row_max[mi][half] * scale_log2, tile::quad_sum(row_sum[mi][half]), sink);
       const float inv = n.inv;
       const int i = row_of(mi, half);
-      if (t == 0 && i < seqlen_q) lse[i] = n.lse;
+      if (t == 0 && i < seqlen_q && v_col == 0) lse[i] = n.lse;
       const int r = i - m0;
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const uint32_t packed =
             tile::pack2<Tr::kIsBf16>(o[mi][dt][half * 2] * inv, o[mi][dt][half * 2 + 1] * inv);
-        *reinterpret_cast<uint32_t*>(smem + tile::swizzle<Tr::kRowBytes>(r, (dt * 8 + 2 * t) * 2)) = packed;
+        *reinterpret_cast<uint32_t*>(smem + tile::swizzle<TV::kRowBytes>(r, (dt * 8 + 2 * t) * 2)) = packed;
       }
     }
   __syncthreads();
   T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_start + m0) * p.o_row_stride +
-           head * p.o_head_stride;
-  const CopyLane<Tr> cl;
-  constexpr int kPass = CopyLane<Tr>::kRowsPerPass;
+           head * p.o_head_stride + v_col;
+  const CopyLane<TV> cl;
+  constexpr int kPass = CopyLane<TV>::kRowsPerPass;
   T* dst = out + cl.row * p.o_row_stride + cl.col;
 #pragma unroll
-  for (int cg = 0; cg < Tr::kSmemCols / 64; ++cg) {
+  for (int cg = 0; cg < TV::kSmemCols / 64; ++cg) {
     if (!cl.has_group(cg)) continue;
 #pragma unroll
     for (int rr = 0; rr < kBlockM / kPass; ++rr) {
       if (cl.row + rr * kPass < seqlen_q - m0) {
         *reinterpret_cast<uint4*>(dst + rr * kPass * p.o_row_stride + cg * 64) =
-            *reinterpret_cast<const uint4*>(smem + cl.smem + rr * kPass * Tr::kRowBytes + cg * 128);
+            *reinterpret_cast<const uint4*>(smem + cl.smem + rr * kPass * TV::kRowBytes + cg * 128);
       }
     }
   }

@@ -61,9 +61,8 @@ def dense(backend: str, causal: bool, window: int = -1):
                                                            learnable_sink=sinks)
     if backend == FA4:
         func = fa4()[0]
-        size = (None if window < 0 else window, None)
-        return lambda q, k, v, sinks=None: _first(func(q, k, v, causal=causal, window_size=size,
-                                                       learnable_sink=sinks))
+        extra = {"window_size": (window, None)} if window >= 0 else {}
+        return lambda q, k, v, sinks=None: _first(func(q, k, v, causal=causal, learnable_sink=sinks, **extra))
     if window >= 0:
         raise NotImplementedError(f"{backend}: no sliding window without a materialised mask")
     from torch.nn.attention import sdpa_kernel

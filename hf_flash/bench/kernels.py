@@ -5,7 +5,8 @@ Cases: the FlashAttention paper grid (B*S = 16k tokens, H*D = 2048, d in {64, 12
 S = 512..16k), the Llama GQA 32/8 d128 causal shapes 8 x 1024, 2 x 4096, 1 x 16384, a packed varlen
 batch of 8 causal documents of 1..5000 tokens (GQA 32/8, d128; SDPA has no packed form), and learned sinks
 (gpt-oss's d64 GQA 64/8 causal layers, full and 128-key windowed, and a d128 shape), each case beside the same
-shape without sinks: the sinks' cost is printed as a table of its own (SDPA has no sinks or windows).
+shape without sinks: the sinks' cost is printed as a table of its own (SDPA has no sinks or windows), and head
+dim 512 (Gemma 4's global layers) beside d256 at S = 4k.
 FLOPs = 4*B*S^2*H*D (sum over documents when packed; halved when causal; the visible keys when windowed);
 backward 2.5x, forward+backward 3.5x.
 Inputs have ``requires_grad=True`` for every pass, as in training; the backward is
@@ -42,7 +43,8 @@ SINK_SHAPES = (("gpt-oss 8x1k", 8, 1024, 64, 8, 64, -1), ("gpt-oss 1x8k", 1, 819
                ("gpt-oss 1x8k w128", 1, 8192, 64, 8, 64, 128), ("d128 2x4k", 2, 4096, 32, 8, 128, -1))
 QUICK_SINKS = SINK_SHAPES[:1]
 SINKS = " +sinks"  # the suffix naming a case's learned-sinks twin
-SETS = ("grid", "llama", "varlen", "sinks")
+LARGE_D = (256, 512)  # head dims of the "d512" set: Gemma 4's global layers against the largest other kernel
+SETS = ("grid", "llama", "varlen", "sinks", "d512")
 MODES = ("fwd", "bwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 DEFAULT_BACKENDS = ("hf_flash", B.FA4, "sdpa-cudnn", "sdpa-flash")
@@ -114,6 +116,9 @@ def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple, s
     if "sinks" in sets:
         out += [Case(name + suffix, b, s, h, hk, d, True, window=w, sinks=bool(suffix))
                 for name, b, s, h, hk, d, w in sinks for suffix in ("", SINKS)]
+    if "d512" in sets:  # same tokens and H*D as the grid, S = 4k
+        out += [Case(f"d{d} {'causal' if c else 'full'} 4k", TOKENS // 4096, 4096, HIDDEN // d, HIDDEN // d, d, c)
+                for c in (False, True) for d in LARGE_D]
     return out
 
 
