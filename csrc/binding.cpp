@@ -87,16 +87,16 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bo
               props->major, ".", props->minor);
 }
 
-// Head dims above kDecodeMaxHeadDim (d512) take large tiles: 160 KB of shared memory per CTA in the forward
-// (csrc/fwd/launch.cuh), 205 KB in the backward (csrc/attn/bwd_config.h). Hopper has 227 KB, the A100 163 KB.
-void check_large_head_dim(const at::Tensor& q, int64_t hd, bool backward) {
-  if (hd <= kDecodeMaxHeadDim) return;
-  const int64_t need = backward ? 205 * 1024 : 160 * 1024;
-  const auto* props = at::cuda::getDeviceProperties(q.get_device());
-  TORCH_CHECK_VALUE(int64_t(props->sharedMemPerBlockOptin) >= need, "hf_flash: head_dim ", hd, " needs ",
-                    need / 1024, " KB of shared memory per block in the ", backward ? "backward" : "forward",
-                    "; this GPU (", props->name, ") has ", props->sharedMemPerBlockOptin / 1024,
-                    " KB. Head dims up to ", kDecodeMaxHeadDim, " run on every GPU of compute capability 8.0+");
+// A launch's status as an exception; a kernel whose tiles need more shared memory than this GPU has
+// (allow_smem in flash.h) gets a message naming the head dim rather than a CUDA error code.
+void check_launch(cudaError_t err, const at::Tensor& q) {
+  if (err == cudaErrorLaunchOutOfResources) {
+    const auto* props = at::cuda::getDeviceProperties(q.get_device());
+    TORCH_CHECK_VALUE(false, "hf_flash: head_dim ", q.size(-1), " needs more shared memory per block than this GPU (",
+                      props->name, ") has (", props->sharedMemPerBlockOptin / 1024,
+                      " KB); use a smaller head dim or a GPU with more (Hopper: 227 KB)");
+  }
+  C10_CUDA_CHECK(err);
 }
 
 c10::optional<at::Tensor> contiguous(const c10::optional<at::Tensor>& t) {
@@ -223,8 +223,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(
 #ifdef HF_FLASH_DISABLE_FORWARD
   TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_FORWARD=1");
 #else
-  check_large_head_dim(q, hd, false);
-  C10_CUDA_CHECK(run_fwd(p, at::cuda::getCurrentCUDAStream()));
+  check_launch(run_fwd(p, at::cuda::getCurrentCUDAStream()), q);
 #endif
   return {o.finish(), lse};
 }
@@ -270,8 +269,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
 #else
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (!decode) {
-    check_large_head_dim(q, hd, false);
-    C10_CUDA_CHECK(run_fwd(p, stream));
+    check_launch(run_fwd(p, stream), q);
     return {o.finish(), lse};
   }
   p.num_splits = num_splits > 0 ? int(std::min<int64_t>(num_splits, kDecodeMaxSplits)) : decode_num_splits(p);
@@ -283,7 +281,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     p.o_accum = o_accum.data_ptr<float>();
     p.lse_accum = lse_accum.data_ptr<float>();
   }
-  C10_CUDA_CHECK(run_decode(p, stream));
+  check_launch(run_decode(p, stream), q);
 #endif
   return {o.finish(), lse};
 }
@@ -334,8 +332,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 #else
   auto workspace = at::empty({int64_t(bwd_workspace_bytes(p))}, q.options().dtype(at::kByte));
   p.workspace = workspace.data_ptr();
-  check_large_head_dim(q, hd, true);
-  C10_CUDA_CHECK(run_bwd(p, at::cuda::getCurrentCUDAStream()));
+  check_launch(run_bwd(p, at::cuda::getCurrentCUDAStream()), q);
 #endif
   return {dq.finish(), dk.finish(), dv.finish(), dsinks};
 }

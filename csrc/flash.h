@@ -157,11 +157,18 @@ struct KeyWindow {
 };
 #endif
 
-// Lets `kernel` take `bytes` of dynamic shared memory (above 48 KB a kernel must opt in).
+// Lets `kernel` take `bytes` of dynamic shared memory (above 48 KB a kernel must opt in). A device with less
+// (d512 on an A100, d256's backward on an sm_86/89 GPU) gets cudaErrorLaunchOutOfResources before any CUDA call
+// could leave a sticky last error; the binding turns it into a message naming the head dim.
 template <class Kernel>
 cudaError_t allow_smem(Kernel kernel, int bytes) {
-  return bytes > 48 * 1024 ? cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)
-                           : cudaSuccess;
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  int device = 0, optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  if (bytes > optin) return cudaErrorLaunchOutOfResources;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
 // Entry points. They validate nothing (the binding did) and return the CUDA launch status. run_fwd / run_bwd

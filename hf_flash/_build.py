@@ -23,6 +23,7 @@ reference path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import logging
@@ -86,6 +87,12 @@ def generator(root: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@functools.lru_cache(maxsize=1)
+def head_dims() -> tuple:
+    """The compiled head dims, csrc/flash.h's kHeadDims (the one list: kernels, binding, Python checks, tests)."""
+    return generator(csrc_dir()).HEAD_DIMS
 
 
 def unique_stems(names: Sequence[str]) -> None:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from . import _build, checks, ops
 
-MAX_HEAD_DIM = _build.generator(_build.csrc_dir()).HEAD_DIMS[-1]  # csrc/flash.h's kHeadDims, the one list
+MAX_HEAD_DIM = _build.head_dims()[-1]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from hf_flash import _build, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, ops, reference
 
-COMPILED_HEAD_DIMS = _build.generator(_build.csrc_dir()).HEAD_DIMS  # csrc/flash.h's kHeadDims
+COMPILED_HEAD_DIMS = _build.head_dims()
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 # One unit in the last place at 1.0: the rounding of a single output element.
