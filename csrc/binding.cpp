@@ -117,6 +117,22 @@ at::Tensor sinks_for_kernel(const c10::optional<at::Tensor>& sinks, const at::Te
   return sinks->to(at::kFloat).contiguous();
 }
 
+// A relative position bias table as the kernels read it: float32, contiguous (heads, 2R + 1); undefined without.
+// Sets p.rel_bias / rel_bias_radius; the returned tensor must outlive the launch.
+at::Tensor rel_bias_for_kernel(FwdParams& p, const c10::optional<at::Tensor>& rel_bias, const at::Tensor& q,
+                               double softcap) {
+  if (!rel_bias.has_value()) return at::Tensor();
+  TORCH_CHECK_VALUE(rel_bias->device() == q.device() && rel_bias->dim() == 2 && rel_bias->size(0) == q.size(-2) &&
+                        rel_bias->size(1) % 2 == 1,
+                    "hf_flash: rel_bias must be a (heads, 2 * radius + 1) tensor on q's device");
+  TORCH_CHECK_TYPE(rel_bias->is_floating_point(), "hf_flash: rel_bias must be a floating-point tensor");
+  TORCH_CHECK_VALUE(softcap <= 0, "hf_flash: rel_bias cannot be combined with softcap > 0");
+  at::Tensor table = rel_bias->to(at::kFloat).contiguous();
+  p.rel_bias = table.data_ptr<float>();
+  p.rel_bias_radius = int(table.size(1) / 2);
+  return table;
+}
+
 void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const at::Tensor& o, const at::Tensor& lse, const c10::optional<at::Tensor>& cu_seqlens_q,
                  const c10::optional<at::Tensor>& cu_seqlens_k, const c10::optional<at::Tensor>& seqused_k,
@@ -200,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(
     const c10::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, double softcap,
     const c10::optional<at::Tensor>& alibi_slopes, double dropout_p, const c10::optional<at::Tensor>& rng_state,
-    bool deterministic, const c10::optional<at::Tensor>& sinks) {
+    bool deterministic, const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& rel_bias) {
   const bool varlen = cu_seqlens_q.has_value();
   check_qkv(q, k, v, varlen);
   c10::cuda::CUDAGuard guard(q.device());
@@ -216,6 +232,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(
               causal, window_left, window_right, softcap, alibi, dropout_p, rng_state);
   const at::Tensor sink = sinks_for_kernel(sinks, q);
   p.sinks = sink.defined() ? sink.data_ptr<float>() : nullptr;
+  const at::Tensor rel = rel_bias_for_kernel(p, rel_bias, q, softcap);
   if (p.seqlen_q == 0 || p.seqlen_k == 0) {  // no row sees a key: O = 0, LSE = the sink (+inf without one)
     if (!sink.defined()) return {o.out.zero_(), lse.fill_(INFINITY)};
     return {o.out.zero_(), lse.copy_(varlen ? sink.view({-1, 1}).expand_as(lse) : sink.view({1, -1, 1}).expand_as(lse))};
@@ -237,7 +254,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
     const c10::optional<at::Tensor>& cache_leftpad, double softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, int64_t num_splits,
-    const c10::optional<at::Tensor>& sinks) {
+    const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& rel_bias) {
   check_qkv(q, k_cache, v_cache, false);
   TORCH_CHECK_VALUE(num_splits >= 0, "hf_flash: num_splits must be >= 0");
   TORCH_CHECK_TYPE(cache_seqlens.is_cuda() && cache_seqlens.scalar_type() == at::kInt &&
@@ -256,6 +273,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
               softmax_scale, causal, window_left, window_right, softcap, alibi, 0.0, c10::nullopt);
   const at::Tensor sink = sinks_for_kernel(sinks, q);  // every row gets it, also one with no cached key
   p.sinks = sink.defined() ? sink.data_ptr<float>() : nullptr;
+  const at::Tensor rel = rel_bias_for_kernel(p, rel_bias, q, softcap);
   at::Tensor leftpad;  // keeps a contiguous copy alive until the launch
   if (cache_leftpad.has_value()) {
     TORCH_CHECK_TYPE(cache_leftpad->is_cuda() && cache_leftpad->scalar_type() == at::kInt &&
@@ -287,15 +305,20 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
 }
 
 // hf_flash::bwd: attention backward from fwd's saved out and LSE (same arguments as fwd, led by dout):
-// (dq, dk, dv) like (q, k, v), GQA head groups summed into dk / dv, and d sinks (float32 (h,); (0,) without).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
+// (dq, dk, dv) like (q, k, v), GQA head groups summed into dk / dv, d sinks (float32 (h,); (0,) without) and
+// d rel_bias (float32 like rel_bias; (0, 0) without).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const c10::optional<at::Tensor>& cu_seqlens_q, const c10::optional<at::Tensor>& cu_seqlens_k,
     int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes, double dropout_p,
-    const c10::optional<at::Tensor>& rng_state, bool deterministic, const c10::optional<at::Tensor>& sinks) {
+    const c10::optional<at::Tensor>& rng_state, bool deterministic, const c10::optional<at::Tensor>& sinks,
+    const c10::optional<at::Tensor>& rel_bias) {
   const bool varlen = cu_seqlens_q.has_value();
   check_qkv(q, k, v, varlen);
+  TORCH_CHECK_VALUE(!rel_bias.has_value() || !deterministic,
+                    "hf_flash: deterministic=True does not cover rel_bias's gradient on the CUDA kernels yet (its sums "
+                    "use atomics); pass deterministic=False");
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), "hf_flash: dout and out must have q's shape");
   TORCH_CHECK_TYPE(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
                    "hf_flash: dout and out must have q's dtype");
@@ -306,7 +329,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   const at::Tensor sink = sinks_for_kernel(sinks, q);
   // Written by the backward's prologue; zero when no key is visible (then O = 0, so rowsum(dO * O) = 0).
   at::Tensor dsinks = at::empty({sink.defined() ? q.size(-2) : 0}, q.options().dtype(at::kFloat));
-  if (q.numel() == 0 || k.numel() == 0) return {dq.out.zero_(), dk.out.zero_(), dv.out.zero_(), dsinks.zero_()};
+  // Zeroed by the backward's prologue, then accumulated by the main kernel.
+  at::Tensor drel = rel_bias.has_value() ? at::empty(rel_bias->sizes(), q.options().dtype(at::kFloat))
+                                         : at::empty({0, 0}, q.options().dtype(at::kFloat));
+  if (q.numel() == 0 || k.numel() == 0) {
+    return {dq.out.zero_(), dk.out.zero_(), dv.out.zero_(), dsinks.zero_(), drel.zero_()};
+  }
   const auto qk = for_kernel(q, hd), kk = for_kernel(k, hd), vk = for_kernel(v, hd);
   const auto outk = for_kernel(out, hd), doutk = for_kernel(dout, hd), lsek = lse.contiguous();
   // Locals: a copy must stay alive until the launch.
@@ -326,7 +354,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   p.deterministic = deterministic;
   p.sinks = sink.defined() ? sink.data_ptr<float>() : nullptr;
   p.dsinks = sink.defined() ? dsinks.data_ptr<float>() : nullptr;
-  if (p.seqlen_q == 0 || p.seqlen_k == 0) return {dq.out.zero_(), dk.out.zero_(), dv.out.zero_(), dsinks.zero_()};
+  const at::Tensor rel = rel_bias_for_kernel(p, rel_bias, q, softcap);
+  p.drel_bias = rel.defined() ? drel.data_ptr<float>() : nullptr;
+  if (p.seqlen_q == 0 || p.seqlen_k == 0) {
+    return {dq.out.zero_(), dk.out.zero_(), dv.out.zero_(), dsinks.zero_(), drel.zero_()};
+  }
 #ifdef HF_FLASH_DISABLE_BACKWARD
   TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_BACKWARD=1");
 #else
@@ -334,7 +366,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   p.workspace = workspace.data_ptr();
   check_launch(run_bwd(p, at::cuda::getCurrentCUDAStream()), q);
 #endif
-  return {dq.finish(), dk.finish(), dv.finish(), dsinks};
+  return {dq.finish(), dk.finish(), dv.finish(), dsinks, drel};
 }
 
 using torch::autograd::AutogradContext;
@@ -350,15 +382,16 @@ class FwdFunction : public torch::autograd::Function<FwdFunction> {
                                int64_t max_seqlen_k, double softmax_scale, bool causal, int64_t window_left,
                                int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes,
                                double dropout_p, const c10::optional<at::Tensor>& rng_state, bool deterministic,
-                               const c10::optional<at::Tensor>& sinks) {
+                               const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& rel_bias) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hf_flash::fwd", "").typed<decltype(fwd_cuda)>();
     at::AutoDispatchBelowADInplaceOrView below;
     auto [out, lse] = op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                               window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic,
-                              sinks);
+                              sinks, rel_bias);
     const auto or_undefined = [](const c10::optional<at::Tensor>& t) { return t.value_or(at::Tensor()); };
     ctx->save_for_backward({q, k, v, out, lse, or_undefined(cu_seqlens_q), or_undefined(cu_seqlens_k),
-                            or_undefined(alibi_slopes), or_undefined(rng_state), or_undefined(sinks)});
+                            or_undefined(alibi_slopes), or_undefined(rng_state), or_undefined(sinks),
+                            or_undefined(rel_bias)});
     ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
     ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
     ctx->saved_data["softmax_scale"] = softmax_scale;
@@ -380,17 +413,20 @@ class FwdFunction : public torch::autograd::Function<FwdFunction> {
     // needs_input_grad counts only the tensors passed: q, k, v, then the defined optionals in order
     const size_t sinks_edge = 3 + s[5].defined() + s[6].defined() + s[7].defined() + s[8].defined();
     const bool dsinks_needed = s[9].defined() && ctx->needs_input_grad(sinks_edge);
-    auto [dq, dk, dv, dsinks] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], optional(s[5]), optional(s[6]),
-                                        d.at("max_seqlen_q").toInt(), d.at("max_seqlen_k").toInt(),
-                                        d.at("softmax_scale").toDouble(), d.at("causal").toBool(),
-                                        d.at("window_left").toInt(), d.at("window_right").toInt(),
-                                        d.at("softcap").toDouble(), optional(s[7]), d.at("dropout_p").toDouble(),
-                                        optional(s[8]), d.at("deterministic").toBool(),
-                                        dsinks_needed ? optional(s[9]) : c10::nullopt);
+    const bool drel_needed = s[10].defined() && ctx->needs_input_grad(sinks_edge + s[9].defined());
+    // The table always reaches the op (the kernels add it to the logits); d rel_bias is computed either way.
+    auto [dq, dk, dv, dsinks, drel] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], optional(s[5]), optional(s[6]),
+                                              d.at("max_seqlen_q").toInt(), d.at("max_seqlen_k").toInt(),
+                                              d.at("softmax_scale").toDouble(), d.at("causal").toBool(),
+                                              d.at("window_left").toInt(), d.at("window_right").toInt(),
+                                              d.at("softcap").toDouble(), optional(s[7]), d.at("dropout_p").toDouble(),
+                                              optional(s[8]), d.at("deterministic").toBool(),
+                                              dsinks_needed ? optional(s[9]) : c10::nullopt, optional(s[10]));
     // The LSE includes the sinks, so dq, dk, dv need nothing more; d sinks comes from the op when asked for.
-    variable_list result(17);  // one entry per forward argument; q, k, v and the sinks get gradients
+    variable_list result(18);  // one entry per forward argument; q, k, v, the sinks and rel_bias get gradients
     result[0] = dq; result[1] = dk; result[2] = dv;
     if (dsinks_needed) result[16] = dsinks.to(s[9].scalar_type());
+    if (drel_needed) result[17] = drel.to(s[10].scalar_type());
     return result;
   }
 };
@@ -400,10 +436,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(
     const c10::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, double softcap,
     const c10::optional<at::Tensor>& alibi_slopes, double dropout_p, const c10::optional<at::Tensor>& rng_state,
-    bool deterministic, const c10::optional<at::Tensor>& sinks) {
+    bool deterministic, const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& rel_bias) {
   auto r = FwdFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                               window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic,
-                              sinks);
+                              sinks, rel_bias);
   return {r[0], r[1]};
 }
 
@@ -412,16 +448,16 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(
 TORCH_LIBRARY(hf_flash, m) {
   m.def("fwd(Tensor q, Tensor k, Tensor v, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, "
         "int max_seqlen_k, float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
-        "Tensor? alibi_slopes, float dropout_p, Tensor? rng_state, bool deterministic, Tensor? sinks=None) "
-        "-> (Tensor out, Tensor lse)");
+        "Tensor? alibi_slopes, float dropout_p, Tensor? rng_state, bool deterministic, Tensor? sinks=None, "
+        "Tensor? rel_bias=None) -> (Tensor out, Tensor lse)");
   m.def("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? cu_seqlens_q, "
         "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool causal, "
         "int window_left, int window_right, float softcap, Tensor? alibi_slopes, float dropout_p, "
-        "Tensor? rng_state, bool deterministic, Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv, "
-        "Tensor dsinks)");
+        "Tensor? rng_state, bool deterministic, Tensor? sinks=None, Tensor? rel_bias=None) -> (Tensor dq, "
+        "Tensor dk, Tensor dv, Tensor dsinks, Tensor drel_bias)");
   m.def("fwd_kvcache(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor? cache_leftpad, "
         "float softmax_scale, bool causal, int window_left, int window_right, float softcap, Tensor? alibi_slopes, "
-        "int num_splits, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
+        "int num_splits, Tensor? sinks=None, Tensor? rel_bias=None) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(hf_flash, CUDA, m) {

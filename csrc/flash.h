@@ -59,6 +59,10 @@ struct FwdParams {
   const float* __restrict__ alibi_slopes;
   int64_t alibi_batch_stride;  // 0 for (h,) slopes
   const float* __restrict__ sinks;  // (h,) learned sink logits (natural log), in every row's denominator; or nullptr
+  // Relative position bias (T5): fp32 (h, 2 * rel_bias_radius + 1), added to the scaled logit of row i, key j at the
+  // column RelBias (below) picks; nullptr = none.
+  const float* __restrict__ rel_bias;
+  int rel_bias_radius;
 
   // Dropout on P (after softmax), kept values scaled by 1/(1-p). The mask for
   // element (batch, head, i, j) comes from Philox4x32-10 with
@@ -95,6 +99,8 @@ struct BwdParams : FwdParams {
 
   // (h,) float32 d loss / d sinks, written when `sinks` is set (the forward's learned sinks).
   float* __restrict__ dsinks;
+  // Like rel_bias, float32: d loss / d rel_bias, zeroed by the caller and accumulated with atomics (set with rel_bias).
+  float* __restrict__ drel_bias;
 
   // Workspace owned by the caller (sizes from bwd_workspace_bytes()).
   void* workspace;
@@ -153,6 +159,26 @@ struct KeyWindow {
   // Every (row, key) of rows [m0, m_last] x keys [n0, n_last] is visible: the block needs no mask.
   __device__ __forceinline__ bool covers(int m0, int m_last, int n0, int n_last) const {
     return m_last < seqlen_q && n_last < seqlen_k && n0 - m_last >= lo_off && n_last - m0 <= hi_off;
+  }
+};
+
+// The relative position bias rule: row i and key j (within their sequence, aligned bottom-right like KeyWindow)
+// read column clamp(j - i - (seqlen_k - seqlen_q), -R, R) + R of their head's 2R + 1 entries; every distance past
+// R reads the last entry on its side (T5's buckets saturate at max_distance). hf_flash/reference.py states the same
+// rule (relative_positions).
+struct RelBias {
+  const float* table;  // this head's entries
+  int width, shift;    // 2R + 1; column = clamp(j - i + shift, 0, 2R)
+  __device__ __forceinline__ RelBias(const FwdParams& p, int head, int seqlen_q, int seqlen_k)
+      : table(p.rel_bias ? p.rel_bias + int64_t(head) * (2 * p.rel_bias_radius + 1) : nullptr),
+        width(2 * p.rel_bias_radius + 1), shift(p.rel_bias_radius - (seqlen_k - seqlen_q)) {}
+  // Column of (row i, key j) given d = j - i.
+  __device__ __forceinline__ int column(int d) const { return min(max(d + shift, 0), width - 1); }
+  __device__ __forceinline__ float at(int i, int j) const { return __ldg(table + column(j - i)); }
+  // The one column every (row, key) of rows [m0, m_last] x keys [n0, n_last] reads, or -1 (saturated blocks
+  // far from the diagonal: one value for the whole block).
+  __device__ __forceinline__ int block_column(int m0, int m_last, int n0, int n_last) const {
+    return n0 - m_last + shift >= width - 1 ? width - 1 : n_last - m0 + shift <= 0 ? 0 : -1;
   }
 };
 #endif

@@ -95,6 +95,28 @@ def _check_sinks(q: Tensor, learnable_sink) -> None:
         raise ValueError(f"learnable_sink must be on {q.device}, got {learnable_sink.device}")
 
 
+def _check_rel_bias(q: Tensor, rel_bias, softcap: float, deterministic: bool = False) -> None:
+    """A relative position bias table: (heads, 2R+1) floating point on q's device; not with softcap (no model
+    combines them, and the backward's bias gradient is the logit's, before softcap); not with deterministic
+    training on the kernels (their d rel_bias sums use atomics)."""
+    if rel_bias is None:
+        return
+    if not isinstance(rel_bias, Tensor) or not rel_bias.is_floating_point():
+        got = rel_bias.dtype if isinstance(rel_bias, Tensor) else type(rel_bias).__name__
+        raise TypeError(f"rel_bias must be a floating-point tensor, got {got}")
+    h = q.shape[-2]
+    if rel_bias.dim() != 2 or rel_bias.shape[0] != h or rel_bias.shape[1] % 2 != 1:
+        raise ValueError(f"rel_bias must have shape ({h}, 2 * radius + 1) (one row per query head, columns for "
+                         f"relative positions -radius..radius), got {tuple(rel_bias.shape)}")
+    if rel_bias.device != q.device:
+        raise ValueError(f"rel_bias must be on {q.device}, got {rel_bias.device}")
+    if softcap > 0:
+        raise ValueError("rel_bias cannot be combined with softcap > 0")
+    if deterministic and torch.is_grad_enabled() and ops.uses_kernels(q):
+        raise ValueError("deterministic=True does not cover rel_bias's gradient on the CUDA kernels yet (its sums "
+                         "use atomics); pass deterministic=False")
+
+
 def _rng_state(q: Tensor, dropout_p: float) -> Optional[Tensor]:
     """Philox (seed, offset) drawn from torch's generator: reproducible under
     torch.manual_seed, graph-capturable, and saved for the backward."""
@@ -108,11 +130,12 @@ def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
 
 
 def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-         deterministic, return_attn_probs, learnable_sink):
+         deterministic, return_attn_probs, learnable_sink, rel_bias):
     _check_sinks(q, learnable_sink)
+    _check_rel_bias(q, rel_bias, softcap, deterministic)
     out, lse = ops.run_fwd(q, k, v, cu_q, cu_k, max_q, max_k, _scale(q, softmax_scale), bool(causal), window[0],
                            window[1], float(softcap), alibi_slopes, float(dropout_p), _rng_state(q, dropout_p),
-                           bool(deterministic), sinks=learnable_sink)
+                           bool(deterministic), sinks=learnable_sink, rel_bias=rel_bias)
     if return_attn_probs:
         return out, lse, None  # flash-attn's third value (the P matrix) is testing-only; never materialised
     return out
@@ -121,11 +144,15 @@ def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, wi
 def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
-                    return_attn_probs: bool = False, learnable_sink: Optional[Tensor] = None):
+                    return_attn_probs: bool = False, learnable_sink: Optional[Tensor] = None,
+                    rel_bias: Optional[Tensor] = None):
     """Attention on ``(B, S, H, D)`` tensors. With ``return_attn_probs=True``
     returns ``(out, lse, None)``, lse being float32 ``(B, H, Sq)``. ``learnable_sink`` (H,): learned attention
     sinks (gpt-oss), one logit per query head in each row's softmax denominator, with a gradient; the LSE
-    returned then includes it."""
+    returned then includes it. ``rel_bias`` (H, 2R+1): a relative position bias (T5's bucketed table, expanded
+    per relative position): the scaled logit of query i and key j gets ``rel_bias[h, clamp(j - i - (Sk - Sq),
+    -R, R) + R]``, positions counted within each sequence and aligned bottom-right like the causal mask; it
+    has a gradient (not with ``softcap``; ``deterministic=True`` covers it on the reference path only)."""
     if not _checked_by_op(q):
         _check_qkv(q, k, v, 4)
         checks.note_reference_dtype(q)
@@ -133,7 +160,7 @@ def flash_attn_func(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, sof
             raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, q.shape[0])
     return _run(q, k, v, None, None, q.shape[1], k.shape[1], dropout_p, softmax_scale, causal, window,
-                softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink)
+                softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink, rel_bias)
 
 
 def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
@@ -142,10 +169,10 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Optional[Tensor] = None, deterministic: bool = False,
                            return_attn_probs: bool = False, block_table: Optional[Tensor] = None,
-                           learnable_sink: Optional[Tensor] = None):
+                           learnable_sink: Optional[Tensor] = None, rel_bias: Optional[Tensor] = None):
     """Attention on packed ``(total_tokens, H, D)`` tensors; sequence ``b`` is
-    rows ``cu_seqlens[b]:cu_seqlens[b+1]``. LSE is float32 ``(H, total_q)``. ``learnable_sink``: as in
-    ``flash_attn_func``."""
+    rows ``cu_seqlens[b]:cu_seqlens[b+1]``. LSE is float32 ``(H, total_q)``. ``learnable_sink``, ``rel_bias``:
+    as in ``flash_attn_func`` (relative positions within each sequence)."""
     if not _checked_by_op(q):
         _check_qkv(q, k, v, 3)
         checks.note_reference_dtype(q)
@@ -162,7 +189,8 @@ def flash_attn_varlen_func(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor
     checks.cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen[1], q.device, batch)
     window = _check_options(q, dropout_p, window_size, softcap, alibi_slopes, batch)
     return _run(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), dropout_p,
-                softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink)
+                softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink,
+                rel_bias)
 
 
 def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor] = None,
@@ -173,7 +201,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
                             causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: Optional[Tensor] = None,
                             num_splits: int = 0, return_softmax_lse: bool = False,
-                            learnable_sink: Optional[Tensor] = None):
+                            learnable_sink: Optional[Tensor] = None, rel_bias: Optional[Tensor] = None):
     """Decode/prefill against a KV cache ``(B, S_cache, H_k, D)`` (inference only).
 
     The cache may be a strided view (e.g. a ``(B, H_k, S_cache, D)`` cache transposed) and longer than
@@ -183,7 +211,8 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     is where each row's keys start (left padding), so row ``b`` attends to cache rows
     ``[cache_leftpad[b], end[b])``; causal masks and windows align bottom-right to that range.
     ``num_splits`` splits the keys of short queries across thread blocks on the GPU: 0 = automatic,
-    1 = no split. ``learnable_sink``: as in ``flash_attn_func``.
+    1 = no split. ``learnable_sink``, ``rel_bias``: as in ``flash_attn_func`` (relative positions of the row's
+    keys ``[cache_leftpad, end)``: the new queries are its last positions).
     """
     _check_qkv(q, k_cache, v_cache, 4)
     checks.note_reference_dtype(q)
@@ -216,6 +245,7 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     checks.cache_ranges(seqlens, cache_leftpad, s_new, s_cache)  # before the append writes at those rows
     window = _check_options(q, 0.0, window_size, softcap, alibi_slopes, b)
     _check_sinks(q, learnable_sink)
+    _check_rel_bias(q, rel_bias, softcap)
     if k is not None:
         pos = seqlens[:, None].long() + torch.arange(s_new, device=q.device)  # (B, S_new)
         rows = torch.arange(b, device=q.device)[:, None].expand_as(pos)
@@ -225,5 +255,5 @@ def flash_attn_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Opti
     with torch.no_grad():
         out, lse = ops.run_fwd_kvcache(q, k_cache, v_cache, seqlens, cache_leftpad, _scale(q, softmax_scale),
                                        bool(causal), window[0], window[1], float(softcap), alibi_slopes, num_splits,
-                                       sinks=learnable_sink)
+                                       sinks=learnable_sink, rel_bias=rel_bias)
     return (out, lse) if return_softmax_lse else out

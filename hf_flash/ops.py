@@ -83,21 +83,23 @@ def _lse_shape(q: Tensor, varlen: bool):
     return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
 
 
-def run_fwd(*args, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def run_fwd(*args, sinks: Optional[Tensor] = None, rel_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """hf_flash::fwd's arguments and result (out, lse), on the kernels or the reference; differentiable.
     ``sinks`` (H,): learned attention sinks, in every row's softmax denominator (the LSE includes them) and
     with a gradient (``reference.sink_rescale`` states the rule; the kernels add the sink in their epilogues and
-    the backward op returns d sinks)."""
+    the backward op returns d sinks). ``rel_bias`` (H, 2R+1): a relative position bias table (T5), added to the
+    scaled logits at column ``reference.relative_positions`` (the kernels read it per element; the backward op
+    returns its gradient)."""
     if not uses_kernels(args[0]):
-        return reference.fwd(*args, sinks=sinks)
-    return torch.ops.hf_flash.fwd.default(*args, sinks)
+        return reference.fwd(*args, sinks=sinks, rel_bias=rel_bias)
+    return torch.ops.hf_flash.fwd.default(*args, sinks, rel_bias)
 
 
-def run_fwd_kvcache(*args, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def run_fwd_kvcache(*args, sinks: Optional[Tensor] = None, rel_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """hf_flash::fwd_kvcache's arguments and result (out, lse), on the kernels or the reference (inference)."""
     if not uses_kernels(args[0]):
-        return reference.fwd_kvcache(*args, sinks=sinks)
-    return torch.ops.hf_flash.fwd_kvcache.default(*args, sinks)
+        return reference.fwd_kvcache(*args, sinks=sinks, rel_bias=rel_bias)
+    return torch.ops.hf_flash.fwd_kvcache.default(*args, sinks, rel_bias)
 
 
 def _register_fakes() -> None:
@@ -108,9 +110,11 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("hf_flash::bwd")
     def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-          window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic, sinks=None):
+          window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic, sinks=None,
+          rel_bias=None):
         dsinks = q.new_empty((q.shape[-2] if sinks is not None else 0,), dtype=torch.float32)
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+        drel_bias = q.new_empty(rel_bias.shape if rel_bias is not None else (0, 0), dtype=torch.float32)
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks, drel_bias
 
     @torch.library.register_fake("hf_flash::fwd_kvcache")
     def _(q, *rest):

@@ -56,6 +56,23 @@ def dropout_keep(rng_state, batch: int, num_heads: int, rows, cols, p: float) ->
     return word >= threshold
 
 
+def relative_positions(rows, cols, seqlen_q, seqlen_k, radius: int):
+    """Column of ``rel_bias`` for query ``rows`` x key ``cols``: ``clamp(j - i - (seqlen_k - seqlen_q), -R, R) + R``,
+    the key's position relative to the query with the masks' bottom-right alignment (query i sits at position
+    ``i + seqlen_k - seqlen_q`` among the keys), clamped to the table's radius R: the rule of ``RelBias`` in
+    csrc/flash.h. Lengths are ints, or (B,) tensors giving a (B, 1, len(rows), len(cols)) index."""
+    if isinstance(seqlen_q, torch.Tensor):
+        seqlen_q, seqlen_k = seqlen_q[:, None, None, None], seqlen_k[:, None, None, None]
+    return (cols[None, :] - rows[:, None] - (seqlen_k - seqlen_q)).clamp(-radius, radius) + radius
+
+
+def rel_bias_terms(rel_bias, index):
+    """``rel_bias`` (H, 2R+1) gathered at ``index`` ((B, 1, Sq, Sk) or (Sq, Sk)): (B, H, Sq, Sk) or (1, H, Sq, Sk)."""
+    if index.dim() == 2:
+        return rel_bias[:, index][None]
+    return rel_bias[:, index[:, 0]].transpose(0, 1)
+
+
 def _visible(rows, cols, seqlen_q, seqlen_k, window_left: int, window_right: int):
     """Bool mask, key j visible to query i (bottom-right aligned): the rule of csrc/flash.h, which the
     kernels take from fwd::KeyWindow (csrc/attn/fwd_math.cuh). Lengths are ints, or (B,) tensors giving
@@ -77,9 +94,10 @@ class _Batch:
     with each sequence's true lengths in len_q / len_k (B,). Rows past len_q
     are padding: computed, then dropped by the caller."""
 
-    def __init__(self, q, k, v, len_q, len_k, args):
+    def __init__(self, q, k, v, len_q, len_k, args, rel_bias=None):
         self.q, self.k, self.v, self.len_q, self.len_k = q, k, v, len_q, len_k
         (self.scale, causal, self.window_left, wr, self.softcap, alibi, self.p_drop, self.rng_state) = args
+        self.rel_bias = None if rel_bias is None else rel_bias.to(q.dtype)
         self.window_right = 0 if causal else wr
         self.slopes = None
         if alibi is not None:
@@ -103,8 +121,13 @@ class _Batch:
             offset = (self.len_k - self.len_q)[:, None, None, None]
             dist = (self.rows[:, None] + offset - cols[None, :]).abs()
             s = s - self.slopes[:, :, None, None] * dist
+        if self.rel_bias is not None:
+            s = s + rel_bias_terms(self.rel_bias, self.rel_index(cols))
         mask = _visible(self.rows, cols, self.len_q, self.len_k, self.window_left, self.window_right)
         return s.masked_fill(~mask, -math.inf), t
+
+    def rel_index(self, cols):
+        return relative_positions(self.rows, cols, self.len_q, self.len_k, (self.rel_bias.shape[-1] - 1) // 2)
 
     def dropout_scale(self, cols):
         """Per-element factor keep / (1 - p), or None without dropout."""
@@ -142,6 +165,7 @@ class _Batch:
 
     def backward(self, out, dout, lse):
         dq = torch.zeros_like(self.q)
+        drel = None if self.rel_bias is None else torch.zeros_like(self.rel_bias)
         dk = torch.zeros(*self.q.shape[:2], *self.k.shape[2:], dtype=self.q.dtype, device=self.q.device)
         dv = torch.zeros_like(dk)
         delta = (dout * out).sum(-1)  # D = rowsum(dO * O)
@@ -158,12 +182,16 @@ class _Batch:
             ds = p * (dp - delta[..., None])
             if t is not None:
                 ds = ds * (1 - t * t)
+            if drel is not None:  # d logit, summed per table column over every (query, key) that reads it
+                index = self.rel_index(cols)[:, 0].expand(ds.shape[0], *ds.shape[2:])
+                for h in range(ds.shape[1]):
+                    drel[h].index_put_((index.flatten(),), ds[:, h].flatten(), accumulate=True)
             ds = ds * self.scale
             dq += torch.einsum("bhqk,bhkd->bhqd", ds, k_blk)
             dk[:, :, cols] += torch.einsum("bhqk,bhqd->bhkd", ds, self.q)
         b, hk = self.k.shape[:2]
         fold = lambda g: g.view(b, hk, self.groups, *g.shape[2:]).sum(2)  # GQA: sum over the group
-        return dq, fold(dk), fold(dv)
+        return dq, fold(dk), fold(dv), drel
 
 
 class _Layout:
@@ -207,7 +235,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args):
+def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args, rel_bias=None):
     dt = _compute_dtype(q)
     lq, lk = _Layout(cu_seqlens_q, dt), _Layout(cu_seqlens_k, dt)
     b = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
@@ -215,7 +243,7 @@ def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args):
     len_k = lk.seqlens(k.shape[1] if cu_seqlens_k is None else 0, b, q.device)
     if seqused_k is not None:
         len_k = seqused_k.long()
-    return lq, lk, _Batch(lq.pad(q), lk.pad(k), lk.pad(v), len_q, len_k, args)
+    return lq, lk, _Batch(lq.pad(q), lk.pad(k), lk.pad(v), len_q, len_k, args, rel_bias)
 
 
 def sink_rescale(lse, sinks, head_dim: int):
@@ -235,13 +263,14 @@ def sink_rescale(lse, sinks, head_dim: int):
 
 def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
         window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic=False, *, seqused_k=None,
-        sinks=None):
+        sinks=None, rel_bias=None):
     """Forward: returns out (like q) and lse (float32; (B, H, Sq) dense, (H, T) varlen). Differentiable by
     autograd (the dropout mask is a function of rng_state, so the backward sees the forward's). ``seqused_k``
     (B,): valid keys per row of a KV cache (fwd_kvcache). ``sinks`` (H,): learned attention sinks
-    (``sink_rescale``); the LSE returned then includes them."""
+    (``sink_rescale``); the LSE returned then includes them. ``rel_bias`` (H, 2R+1): a relative position bias
+    added to the scaled logits (``relative_positions`` says which column), with a gradient."""
     args = (softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
-    lq, _, batch = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args)
+    lq, _, batch = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args, rel_bias)
     out, lse = batch.forward()
     if sinks is not None:
         lse, factor = sink_rescale(lse, sinks, 1)
@@ -254,7 +283,7 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax
 
 
 def fwd_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_left, window_right,
-                softcap, alibi_slopes, num_splits, sinks=None):
+                softcap, alibi_slopes, num_splits, sinks=None, rel_bias=None):
     """Forward against a KV cache: row b's keys are cache rows [cache_leftpad[b], cache_seqlens[b]), masks
     aligned to that row's key count. ``num_splits`` only steers the CUDA kernel."""
     end = cache_seqlens.long()
@@ -266,29 +295,34 @@ def fwd_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale
         index = pos[:, :, None, None].expand(-1, -1, *k_cache.shape[2:])
         k_cache, v_cache = k_cache.gather(1, index), v_cache.gather(1, index)
     return fwd(q, k_cache, v_cache, None, None, q.shape[1], k_cache.shape[1], softmax_scale, causal, window_left,
-               window_right, softcap, alibi_slopes, 0.0, None, seqused_k=(end - start).clamp(min=0), sinks=sinks)
+               window_right, softcap, alibi_slopes, 0.0, None, seqused_k=(end - start).clamp(min=0), sinks=sinks,
+               rel_bias=rel_bias)
 
 
 def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-        window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic=False):
-    """Backward by recomputation from the saved LSE, as the kernels do it: returns dq, dk, dv. The kernels'
-    twin in tests; the reference path itself differentiates fwd with autograd."""
+        window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic=False, *,
+        rel_bias=None):
+    """Backward by recomputation from the saved LSE, as the kernels do it: returns dq, dk, dv, plus d rel_bias
+    (the table's dtype) when ``rel_bias`` is given. The kernels' twin in tests; the reference path itself
+    differentiates fwd with autograd."""
     args = (softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
-    lq, lk, batch = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, None, args)
+    lq, lk, batch = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, None, args, rel_bias)
     if cu_seqlens_q is not None:  # (H, T) -> (B, H, S)
         lse = lq.pad(lse.T[..., None])[..., 0]
-    dq, dk, dv = batch.backward(lq.pad(out), lq.pad(dout), lse.to(batch.q.dtype))
-    return lq.unpad(dq, q), lk.unpad(dk, k), lk.unpad(dv, v)
+    dq, dk, dv, drel = batch.backward(lq.pad(out), lq.pad(dout), lse.to(batch.q.dtype))
+    grads = (lq.unpad(dq, q), lk.unpad(dk, k), lk.unpad(dv, v))
+    return grads if rel_bias is None else (*grads, drel.to(rel_bias.dtype))
 
 
 def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, key_padding_mask=None, dropout_keep_mask=None, dropout_p=0.0, sinks=None,
-                    return_lse=False):
+                    rel_bias=None, return_lse=False):
     """Textbook attention on dense (B, S, H, D) tensors, materialising the full
     score matrix in the inputs' dtype: the test oracle for the tiled reference
     and the kernels. ``key_padding_mask`` (B, Sk) bool marks valid keys;
     ``dropout_keep_mask`` (B, H, Sq, Sk) applies dropout after the softmax;
-    ``sinks`` (H,) is an extra logit column per head, in the softmax and dropped after it. ``return_lse``
+    ``sinks`` (H,) is an extra logit column per head, in the softmax and dropped after it; ``rel_bias`` (H, 2R+1)
+    adds ``rel_bias[h, relative_positions(i, j)]`` to each scaled logit. ``return_lse``
     also returns the natural-log LSE (B, H, Sq), kept finite on rows with no visible key so autograd can
     run through it."""
     b, sq, h, d = q.shape
@@ -305,6 +339,8 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         slopes = alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes[None].expand(b, h)
         dist = (rows[:, None] + sk - sq - cols[None, :]).abs()
         s = s - slopes.to(s.dtype)[:, :, None, None] * dist
+    if rel_bias is not None:
+        s = s + rel_bias_terms(rel_bias.to(s.dtype), relative_positions(rows, cols, sq, sk, (rel_bias.shape[-1] - 1) // 2))
     wl, wr = window_size
     mask = _visible(rows, cols, sq, sk, wl, 0 if causal else wr)[None, None]
     if key_padding_mask is not None:

@@ -139,11 +139,12 @@ def test_deterministic():
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("sinks", [False, True])
-def test_opcheck(sinks):
+@pytest.mark.parametrize("extra", ["none", "sinks", "rel_bias"])
+def test_opcheck(extra):
     args = _bwd_args(1, 129, 4, 2, 64)
-    extra = (torch.randn(4, device="cuda"),) if sinks else ()
-    torch.library.opcheck(torch.ops.hf_flash.bwd.default, (*args, False, *extra))
+    tail = {"none": (), "sinks": (torch.randn(4, device="cuda"),),
+            "rel_bias": (None, torch.randn(4, 2 * 17 + 1, device="cuda"))}[extra]
+    torch.library.opcheck(torch.ops.hf_flash.bwd.default, (*args, False, *tail))
 
 
 def _forward_built() -> bool:

@@ -204,10 +204,13 @@ def test_compile_fullgraph():
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def test_opcheck_fwd_kvcache():
+@pytest.mark.parametrize("rel_bias", [False, True])
+def test_opcheck_fwd_kvcache(rel_bias):
     q, k_cache, v_cache, _, _, seqlens, leftpad = _decode_inputs(s_cache=512)
     seqlens = torch.tensor([300, 512], dtype=torch.int32, device="cuda")
     args = (q, k_cache, v_cache, seqlens, leftpad, 0.088, True, -1, -1, 0.0, None, 0)
+    if rel_bias:
+        args = (*args, None, torch.randn(q.shape[-2], 2 * 33 + 1, device="cuda"))
     torch.library.opcheck(torch.ops.hf_flash.fwd_kvcache.default, args)
 
 

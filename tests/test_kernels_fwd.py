@@ -208,6 +208,19 @@ def test_opcheck_fwd_with_sinks(varlen):
     torch.library.opcheck(torch.ops.hf_flash.fwd.default, args)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_opcheck_fwd_with_rel_bias(varlen):
+    """The relative position bias argument: schema, fake, autograd (d rel_bias from the C++ backward), kernels."""
+    table = torch.randn(4, 2 * 9 + 1, device="cuda").requires_grad_()
+    if varlen:
+        q, k, v = (randn(50, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+        cu = torch.tensor([0, 20, 50], dtype=torch.int32, device="cuda")
+        args = (q, k, v, cu, cu, 30, 30, 0.125, False, -1, -1, 0.0, None, 0.0, None, False, None, table)
+    else:
+        args = (*_op_args(requires_grad=True), None, table)
+    torch.library.opcheck(torch.ops.hf_flash.fwd.default, args)
+
+
 def test_opcheck_fwd_varlen():
     q, k, v = (randn(50, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     cu = torch.tensor([0, 20, 50], dtype=torch.int32, device="cuda")

@@ -107,6 +107,50 @@ static __global__ void __launch_bounds__(kSinkThreads) sink_grad_kernel(const Bw
   }
 }
 
+// d rel_bias of one CTA's key block: every d logit (= P (dP - D)) of a query block summed into its table column in
+// shared memory, then added to p.drel_bias once per query head (flush). The tiles hold keys as rows: element
+// (j, r) of a thread's accumulator x[kJ][4] is key row key0 + g + 8 (r / 2), query column row0 + 8 j + 2 t + r % 2,
+// so the elements of one diagonal (r / 2 = 0 of j and r / 2 = 1 of j + 1) are summed in registers first.
+struct RelBiasGrad {
+  float* sums;  // shared, width floats, zero between flushes
+  RelBias rb;
+  float scale;  // d logit = x * scale (the main kernel's dS carries softmax_scale)
+  int base;     // key - row of this thread's element (0, 0): key0 + g - row0 - 2t (column() adds the shift)
+  __device__ __forceinline__ RelBiasGrad(float* sums_, const RelBias& rb_, float scale_)
+      : sums(sums_), rb(rb_), scale(scale_), base(0) {}
+  __device__ __forceinline__ void begin(int key0, int row0, int g, int t) { base = key0 + g - row0 - 2 * t; }
+  // Element (j, r)'s column is column(base + 8 (r / 2) - 8 j - r % 2): bin c holds r / 2 = 0 of j = c and
+  // r / 2 = 1 of j = c + 1. step(j, x_j) in order j = 0, 1, ...; finish() after the last.
+  float carry[2] = {0.f, 0.f};  // r / 2 = 0 of the previous j
+  __device__ __forceinline__ void step(int j, const float (&x)[4]) {
+#pragma unroll
+    for (int par = 0; par < 2; ++par) {
+      atomicAdd(sums + rb.column(base - 8 * (j - 1) - par), (j > 0 ? carry[par] : 0.f) + x[2 + par]);
+      carry[par] = x[par];
+    }
+  }
+  __device__ __forceinline__ void finish(int kJ) {
+#pragma unroll
+    for (int par = 0; par < 2; ++par) atomicAdd(sums + rb.column(base - 8 * (kJ - 1) - par), carry[par]);
+  }
+  // A block whose every element reads one column: this thread's sum x_sum, summed over the warp first.
+  __device__ __forceinline__ void add_block(int column, float x_sum) {
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2) x_sum += __shfl_xor_sync(0xffffffff, x_sum, s);
+    if (threadIdx.x % 32 == 0) atomicAdd(sums + column, x_sum);
+  }
+  // After a barrier that follows every add of a query head: its sums into p.drel_bias, and zeroed (the caller's
+  // next barrier orders the zeros before the next adds). Thread `tid` of `threads`.
+  __device__ __forceinline__ void flush(const BwdParams& p, int head, int tid = threadIdx.x,
+                                        int threads = kThreads) const {
+    for (int c = tid; c < rb.width; c += threads) {
+      const float v = sums[c];
+      if (v != 0.f) atomicAdd(p.drel_bias + int64_t(head) * rb.width + c, v * scale);
+      sums[c] = 0.f;
+    }
+  }
+};
+
 // dq = sum over copies of the fp32 accumulator, 8 elements per thread.
 template <bool kIsBf16, int kHeadDim>
 __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p, const float* __restrict__ acc,
@@ -131,7 +175,8 @@ __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p,
 }
 
 // The backward around either main kernel, one stream and no host synchronisation:
-//   bwd_prologue  zeroes the fp32 dQ accumulators, writes D = rowsum(dO * O) into the workspace and d sinks;
+//   bwd_prologue  zeroes the fp32 dQ accumulators and d rel_bias, writes D = rowsum(dO * O) into the workspace and
+//                 d sinks;
 //   bwd_epilogue  sums the accumulators into dq.
 struct BwdWorkspace {
   float* dsum;
@@ -150,7 +195,10 @@ struct BwdWorkspace {
 
 template <bool kIsBf16, int kHeadDim>
 cudaError_t bwd_prologue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
-  const cudaError_t err = cudaMemsetAsync(ws.dq_acc, 0, sizeof(float) * ws.dq_copy_floats * ws.copies, stream);
+  cudaError_t err = cudaMemsetAsync(ws.dq_acc, 0, sizeof(float) * ws.dq_copy_floats * ws.copies, stream);
+  if (err == cudaSuccess && p.rel_bias) {
+    err = cudaMemsetAsync(p.drel_bias, 0, sizeof(float) * p.h * (2 * p.rel_bias_radius + 1), stream);
+  }
   if (err != cudaSuccess) return err;
   const int64_t row_warps = int64_t(p.total_q) * p.h;
   constexpr int kDotLanes = dot_lanes(kHeadDim);

@@ -28,6 +28,11 @@ inline int dq_copies(const BwdParams& p) {
   return std::max(1, std::min({num_n_blocks(p), fill, kMaxDqCopies}));
 }
 
+// Shared memory the main kernels add for the d rel_bias sums of one query head (bwd_common.cuh: RelBiasGrad).
+inline int rel_bias_smem_bytes(const BwdParams& p) {
+  return p.rel_bias ? (2 * p.rel_bias_radius + 1 + 3) / 4 * 16 : 0;
+}
+
 // Workspace: D = rowsum(dO * O) as (h, total_q) floats, then the dQ copies as
 // (copy, total_q, h, d) floats, each part 256-byte aligned.
 struct WorkspaceLayout {

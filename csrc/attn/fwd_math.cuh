@@ -161,6 +161,36 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], cons
     }
 }
 
+// Relative position bias on S (unscaled q.k or softcapped scores): s += units * bias, units = log2(e) / scale_log2
+// (the bias is a natural-log logit). Element (mi, nt, e) is row row_of(mi, e / 2), key n0 + 8 nt + 2t + e % 2; rows
+// [m0, m_last] x keys [n0, n0 + kNTiles * 8) all saturated on one side add one value. Elements on one diagonal read
+// one address (the compiler shares the loads).
+template <int kMTiles, int kNTiles, class RowOf>
+__device__ __forceinline__ void add_rel_bias(float (&s)[kMTiles][kNTiles][4], const RelBias& rb, float units,
+                                             int m0, int m_last, int n0, int t, RowOf row_of) {
+  const int c = rb.block_column(m0, m_last, n0, n0 + kNTiles * 8 - 1);
+  if (c >= 0) {
+    const float b = units * __ldg(rb.table + c);
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][nt][e] += b;
+    return;
+  }
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int d0 = n0 + 2 * t - row_of(mi, half);
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) s[mi][nt][half * 2 + e] += units * __ldg(rb.table + rb.column(d0 + nt * 8 + e));
+    }
+}
+
 // A row's normalisation: O = acc * inv and its natural-log LSE, from its max (log2 units) and its sum of
 // exp2(x - max). A learned sink (natural-log logit, or nullptr) joins the sum, not the output. A row with no
 // visible key gets O = 0 and LSE = the sink (+inf without one).

@@ -4,7 +4,7 @@
 // their query blocks (Q, dO, LSE, D double-buffered by cp.async). Per query
 // block, two phases and two barriers:
 //   AB  warp w owns keys 16w..16w+15: S^T = K Q^T, P, dV += P^T dO, then
-//       dP^T = V dO^T, dS, dK += dS^T Q, with P^T/dS^T packed straight into
+//       dP^T = V dO^T, dS (and its d rel_bias sums), dK += dS^T Q, with P^T/dS^T packed straight into
 //       the A fragments (no smem round trip; dS^T is also stored for phase C).
 //       This order lets the exp of P overlap the dV MMAs and dS the dK MMAs.
 //   C   dQ = dS K, added into the fp32 accumulator (8-byte vector reductions
@@ -61,6 +61,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* smem = reinterpret_cast<T*>(smem_raw);
   float* s_lse = reinterpret_cast<float*>(smem + Tr::kElems);  // [stage][row] LSE, then LSE * log2(e)
   float* s_dsum = s_lse + kStages * kBlockM;                    // [stage][row] D, then D * softmax_scale
+  float* s_rel = s_dsum + kStages * kBlockM;                    // d rel_bias sums of one query head (if any)
   const uint32_t sK = tile::smem_u32(smem + Tr::kK), sV = tile::smem_u32(smem + Tr::kV),
                  sQ0 = tile::smem_u32(smem + Tr::kQ), sDO0 = tile::smem_u32(smem + Tr::kDO),
                  sDSt = tile::smem_u32(smem + Tr::kDSt);
@@ -79,6 +80,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t seed = 0;
   uint32_t rng_offset = 0;
   if (p.dropout_p > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
+  const bool has_rel = p.rel_bias != nullptr;
+  if (has_rel) {
+    for (int c = tid; c < 2 * p.rel_bias_radius + 1; c += kThreads) s_rel[c] = 0.f;  // ordered by the barrier below
+  }
 
   for (int n_block = bx; n_block < n_blocks; n_block += lanes) {
     __syncthreads();  // the previous key block is done with K/V and every buffer
@@ -132,6 +137,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       {
         const bool full = w.covers(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);  // no mask needed
         const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
+        // Relative bias: this warp's 16 keys x the block's queries, saturated to one column or not.
+        RelBiasGrad rel(s_rel, RelBias(p, head, seq.sq, seq.sk), 1.f / p.softmax_scale);
+        const int rel_block = rel.rb.block_column(m0, m0 + kBlockM - 1, n0 + 16 * warp, n0 + 16 * warp + 15);
+        rel.begin(n0 + 16 * warp, m0, g, t);
         // x^T = A B^T over d for this warp's 16 keys (A = K or V rows), all kBlockM queries (B = Q or dO).
         auto gemm_keys = [&](uint32_t sA, uint32_t sB, auto& x) {  // x: float[kBlockM / 8][4]
           const int a_row = 16 * warp + lane % 16, a_col = lane / 16 * 8;
@@ -193,6 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (p.softcap > 0) { th = tile::fast_tanh(xs * scale_over_cap); xs = p.softcap * th; }
                 float s2 = xs * p.softmax_scale_log2;
                 if (p.alibi_slopes) s2 -= slope2 * fabsf(float(row + w.diag - key));
+                if (has_rel) s2 += kLog2e * __ldg(rel.rb.table + (rel_block >= 0 ? rel_block : rel.rb.column(key - row)));
                 const float prob = full || w.visible(row, key) ? tile::fast_exp2(s2 - lse_r) : 0.f;
                 bool kept = true;
                 if (p.dropout_p > 0) {
@@ -209,9 +219,11 @@ __global__ void __launch_bounds__(kThreads, 1)
             af[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(pv[2], pv[3]);
           }
         };
-        // dS = P * (dP - D) * scale into the A fragments of dS^T and the dS^T smem tile (phase C).
+        // dS = P * (dP - D) * scale into the A fragments of dS^T and the dS^T smem tile (phase C), and into the
+        // d rel_bias sums.
         auto grads = [&](auto dropout_tag, const auto& pf, const auto& dp, auto& af) {
           constexpr bool kDropout = decltype(dropout_tag)::value;
+          float block_sum = 0.f;
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
             const float2 dsc = *reinterpret_cast<const float2*>(dsum_scaled + 8 * j + 2 * t);
@@ -226,6 +238,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                 ds[r] = fabsf(pf[j][r]) * fmaf(dpv, p.softmax_scale, -d_r);
               }
             }
+            if (has_rel) {
+              if (rel_block < 0) {
+                rel.step(j, ds);
+              } else {
+                block_sum += (ds[0] + ds[1]) + (ds[2] + ds[3]);
+              }
+            }
 #pragma unroll
             for (int h2 = 0; h2 < 2; ++h2) {
               const uint32_t packed = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
@@ -234,8 +253,15 @@ __global__ void __launch_bounds__(kThreads, 1)
               asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDSt + (kr * Tr::kStrideM + qc) * 2), "r"(packed));
             }
           }
+          if (has_rel) {
+            if (rel_block < 0) {
+              rel.finish(kBlockM / 8);
+            } else {
+              rel.add_block(rel_block, block_sum);
+            }
+          }
         };
-        const bool plain = p.softcap <= 0.f && !p.alibi_slopes && p.dropout_p <= 0.f;
+        const bool plain = p.softcap <= 0.f && !p.alibi_slopes && !has_rel && p.dropout_p <= 0.f;
         // S, P, dV, then dP, dS, dK: on the fast path each elementwise pass shares a basic block with the
         // next GEMM, so the scheduler overlaps them.
         float x[kBlockM / 8][4] = {}, dp[kBlockM / 8][4] = {};
@@ -260,6 +286,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         gemm_queries(af, sQ, acc[1]);
       }
       __syncthreads();  // dS^T complete; Q/dO of stage st free
+      if (has_rel && (next_head != head || it + 1 == iters)) {  // this head's d rel_bias sums are complete
+        RelBiasGrad(s_rel, RelBias(p, head, seq.sq, seq.sk), 1.f / p.softmax_scale).flush(p, head);
+      }
 
       // ---- Phase C: dQ = dS K, added into the fp32 accumulator -----------------
       {

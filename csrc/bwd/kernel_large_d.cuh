@@ -41,6 +41,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* smem = reinterpret_cast<T*>(smem_raw);
   float* s_lse2 = reinterpret_cast<float*>(smem + Tr::kElems);  // LSE * log2(e) of the query block
   float* s_dsum = s_lse2 + kBlockM;
+  float* s_rel = s_dsum + kBlockM;  // d rel_bias sums of one query head (if any)
   const uint32_t sK = tile::smem_u32(smem + Tr::kK), sV = tile::smem_u32(smem + Tr::kV),
                  sQ = tile::smem_u32(smem + Tr::kQ), sDO = tile::smem_u32(smem + Tr::kDO),
                  sPt = tile::smem_u32(smem + Tr::kPt), sDSt = tile::smem_u32(smem + Tr::kDSt);
@@ -55,6 +56,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t seed = 0;
   uint32_t rng_offset = 0;
   if (p.dropout_p > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
+  const bool has_rel = p.rel_bias != nullptr;
+  if (has_rel) {
+    for (int c = tid; c < 2 * p.rel_bias_radius + 1; c += kThreads) s_rel[c] = 0.f;  // ordered by the barrier below
+  }
 
   for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
     __syncthreads();  // the previous key block is done with K/V
@@ -119,8 +124,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         // A block needs masking where a key is past the end or a window edge crosses it.
         const bool full = w.covers(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);  // no mask needed
         const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
+        RelBiasGrad rel(s_rel, RelBias(p, head, seq.sq, seq.sk), 1.f);
+        const int rel_block = rel.rb.block_column(m0 + wm * Tr::kACols, m0 + (wm + 1) * Tr::kACols - 1, n0 + 16 * wn,
+                                                  n0 + 16 * wn + 15);
+        rel.begin(n0 + 16 * wn, m0 + wm * Tr::kACols, g, t);
+        float block_sum = 0.f;
 #pragma unroll
         for (int j = 0; j < Tr::kACols / 8; ++j) {
+          float ds_j[4];  // d logits of this thread's (j, r) elements, for d rel_bias
 #pragma unroll
           for (int h2 = 0; h2 < 2; ++h2) {  // accumulator rows g and g + 8
             const int kr = 16 * wn + g + 8 * h2, qc = wm * Tr::kACols + 8 * j + 2 * t;
@@ -132,6 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               if (p.softcap > 0) { th = tile::fast_tanh(x * scale_over_cap); x = p.softcap * th; }
               float s2 = x * p.softmax_scale_log2;
               if (p.alibi_slopes) s2 -= slope2 * fabsf(float(row + w.diag - key));
+              if (has_rel) s2 += kLog2e * __ldg(rel.rb.table + (rel_block >= 0 ? rel_block : rel.rb.column(key - row)));
               const float prob = full || w.visible(row, key) ? tile::fast_exp2(s2 - s_lse2[qc + e]) : 0.f;
               float dpv = dp[j][2 * h2 + e], pdrop = prob;
               if (p.dropout_p > 0) {
@@ -143,6 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               }
               float ds = prob * (dpv - s_dsum[qc + e]);
               if (p.softcap > 0) ds *= 1.f - th * th;
+              ds_j[2 * h2 + e] = ds;
               pv[e] = pdrop;
               dsv[e] = ds * p.softmax_scale;
             }
@@ -150,9 +163,26 @@ __global__ void __launch_bounds__(kThreads, 1)
             asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sPt + idx), "r"(tile::pack2<kIsBf16>(pv[0], pv[1])));
             asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sDSt + idx), "r"(tile::pack2<kIsBf16>(dsv[0], dsv[1])));
           }
+          if (has_rel) {
+            if (rel_block < 0) {
+              rel.step(j, ds_j);
+            } else {
+              block_sum += (ds_j[0] + ds_j[1]) + (ds_j[2] + ds_j[3]);
+            }
+          }
+        }
+        if (has_rel) {
+          if (rel_block < 0) {
+            rel.finish(Tr::kACols / 8);
+          } else {
+            rel.add_block(rel_block, block_sum);
+          }
         }
       }
       __syncthreads();
+      if (has_rel && (it + 1 == iters || (it + 1) / m_count != it / m_count)) {  // this head's sums are complete
+        RelBiasGrad(s_rel, RelBias(p, head, seq.sq, seq.sk), 1.f).flush(p, head);
+      }
 
       // ---- Phase B: dV += P^T dO, dK += dS^T Q (registers) ---------------------
       {

@@ -9,10 +9,11 @@ namespace bwd {
 
 template <class Tr, class Kernel>
 cudaError_t launch_main(Kernel kernel, const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
-  const cudaError_t err = allow_smem(kernel, Tr::kSmemBytes);
+  const int smem = Tr::kSmemBytes + rel_bias_smem_bytes(p);
+  const cudaError_t err = allow_smem(kernel, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(p.deterministic ? ws.copies : num_n_blocks(p), p.h_k, p.b);
-  kernel<<<grid, kThreads, Tr::kSmemBytes, stream>>>(p, ws.dsum, ws.dq_acc, ws.dq_copy_floats);
+  kernel<<<grid, kThreads, smem, stream>>>(p, ws.dsum, ws.dq_acc, ws.dq_copy_floats);
   return cudaSuccess;
 }
 

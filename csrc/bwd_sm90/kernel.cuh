@@ -1,5 +1,5 @@
-// FlashAttention backward main kernel on Hopper (sm_90a), warp-specialised, d64 and d128, no softcap / ALiBi /
-// window / dropout / deterministic mode (csrc/bwd handles those and every other GPU). Same preprocess, fp32 dQ
+// FlashAttention backward main kernel on Hopper (sm_90a), warp-specialised, d64 and d128 (a relative bias too), no
+// softcap / ALiBi / window / dropout / deterministic mode (csrc/bwd handles those and every other GPU). Same preprocess, fp32 dQ
 // accumulator, convert kernel and LSE / D conventions as csrc/bwd (attn/bwd_common.cuh; csrc/bwd.cu picks the kernel).
 //
 // One CTA (3 warpgroups) per (block of 128 keys, kv head, batch); K, V resident in smem, loop over the query
@@ -104,6 +104,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
   if (n0 >= seq.sk) return;  // varlen: past this sequence's keys (the whole CTA)
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
   const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner
+  // d rel_bias sums of one query head, after the mbarriers (zeroed before the barrier below).
+  float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kBars + (5 + 2 * kStages) * 8);
+  if (p.rel_bias) {
+    for (int c = threadIdx.x; c < 2 * p.rel_bias_radius + 1; c += Tr::kThreads) s_rel[c] = 0.f;
+  }
 
   if (threadIdx.x == 0) {
     sm90::mbar_init(kv_full, 1);
@@ -244,6 +249,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
       first[h] = key >= seq.sk ? INT_MAX : w.row_lo(key) - row0;  // rows >= row_lo see the key (no left window)
     }
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+    // Relative bias: this warp's 16 keys x the block's queries, saturated to one column or not.
+    bwd::RelBiasGrad rel(s_rel, RelBias(p, head, seq.sq, seq.sk), 1.f / p.softmax_scale);
+    const int rel_block = rel.rb.block_column(m0, m0 + kBlockM - 1, key0 - g, key0 - g + 15);
+    rel.begin(key0 - g, m0, g, t);
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
       float2 l2 = *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t);
@@ -252,7 +261,12 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int c = 8 * j + r % 2;
-        const float prob = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -(r % 2 ? l2.y : l2.x)));
+        float lse2 = r % 2 ? l2.y : l2.x;
+        if (rel.rb.table) {  // the bias joins the logit: subtract it from the LSE instead
+          const int col = rel_block >= 0 ? rel_block : rel.rb.column(key0 + 8 * (r / 2) - (row0 + c));
+          lse2 -= bwd::kLog2e * __ldg(rel.rb.table + col);
+        }
+        const float prob = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -lse2));
         s[j][r] = (c >= first[r / 2]) & (c < end) ? prob : 0.f;
       }
       pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
@@ -270,24 +284,42 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
       sm90::commit();
     }
 
-    // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q and the dS^T tile for dQ.
+    // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q, the dS^T tile for dQ and the d rel_bias
+    // sums.
     sm90::wait<1>();  // dP^T (dV may still run)
     sm90::fence_operand(dp);
+    float rel_sum = 0.f;
 #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
       float2 dsc = *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t);
       dsc.x *= p.softmax_scale;
       dsc.y *= p.softmax_scale;
+      float ds[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) ds[r] = s[j][r] * fmaf(dp[j][r], p.softmax_scale, r % 2 ? -dsc.y : -dsc.x);
+      if (rel.rb.table) {
+        if (rel_block < 0) {
+          rel.step(j, ds);
+        } else {
+          rel_sum += (ds[0] + ds[1]) + (ds[2] + ds[3]);
+        }
+      }
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
-        const uint32_t packed = tile::pack2<kIsBf16>(s[j][2 * h2] * fmaf(dp[j][2 * h2], p.softmax_scale, -dsc.x),
-                                                     s[j][2 * h2 + 1] * fmaf(dp[j][2 * h2 + 1], p.softmax_scale, -dsc.y));
+        const uint32_t packed = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
         dsa[j / 2][(j % 2) * 2 + h2] = packed;
         // Key row kr = dst_row + 16 warp + g + 8 h2 of the dS^T tile: its 16-byte chunk j % 8 of a panel sits at
         // chunk (j % 8) ^ g, and panel_offset(kRows, kr, 2t) carries g in address bits 4..6, so one XOR reaches
         // it (keeps ptxas from holding 8 swizzled offsets per row in registers across the loop).
         const uint32_t row = dst + sm90::panel_offset(kRows, dst_row + 16 * warp + g + 8 * h2, 2 * t);
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kRows * 128), "r"(packed));
+      }
+    }
+    if (rel.rb.table) {
+      if (rel_block < 0) {
+        rel.finish(kBlockM / 8);
+      } else {
+        rel.add_block(rel_block, rel_sum);
       }
     }
     sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
@@ -338,6 +370,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
     sm90::fence_operand(dv);
     sm90::fence_operand(dk);
     sm90::mbar_arrive(empty(st));  // this thread's wgmmas on stage st and its LSE / D reads are done
+    if (rel.rb.table && mi + 1 == kb.m_count) {  // this head's d rel_bias sums: both warpgroups' adds are done
+      sm90::named_barrier_sync(3, Tr::kConsumerThreads);
+      rel.flush(p, head, tid, Tr::kConsumerThreads);
+      sm90::named_barrier_sync(3, Tr::kConsumerThreads);  // zeroed before the next head's adds
+    }
     mi = mi + 1 < kb.m_count ? mi + 1 : 0;
     head += mi == 0;
   }

@@ -5,7 +5,7 @@
 // row r = query i * (h / h_k) + head in group, so each K/V block is read once for all of them.
 // A CTA owns one such tile, one KV head and one of num_splits ranges of the visible keys; its
 // warps take every kWarps-th block of 16 keys (see DecodeTraits) with the forward kernel's tile
-// math and online softmax. The masks, softcap and ALiBi follow the forward kernel (bottom-right
+// math and online softmax. The masks, softcap, ALiBi and the relative bias follow the forward kernel (bottom-right
 // alignment against the row's valid keys). With one split the CTA writes O and the LSE; otherwise
 // fp32 partials that combine_kernel merges.
 #pragma once
@@ -95,6 +95,9 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
   const float scale_over_cap = has_softcap ? p.softmax_scale / p.softcap : 0.f;
   int lo[2], hi[2], qi[2];
   float alibi[2];
+  const RelBias rb0(p, 0, p.seqlen_q, seqlen_k);  // shift and width; each row's head picks its table
+  const float* rel_table[2];
+  const float rel_units = kLog2e / scale_log2;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = g + half * 8;
@@ -105,6 +108,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
     alibi[half] = p.alibi_slopes && valid
                       ? p.alibi_slopes[batch * p.alibi_batch_stride + head_of(r)] * kLog2e / scale_log2
                       : 0.f;
+    rel_table[half] = p.rel_bias ? p.rel_bias + int64_t(valid ? head_of(r) : 0) * rb0.width : nullptr;
   }
   const bool has_alibi = p.alibi_slopes != nullptr;
 
@@ -132,6 +136,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
       for (int e = 0; e < 4; ++e) {
         const int half = e >> 1, j = n0 + nt * 8 + 2 * t + (e & 1);
         if (has_alibi) s[0][nt][e] -= alibi[half] * float(abs(qi[half] + window.diag - j));
+        if (rel_table[0]) s[0][nt][e] += rel_units * __ldg(rel_table[half] + rb0.column(j - qi[half]));
         if (j < lo[half] || j > hi[half]) s[0][nt][e] = -INFINITY;
       }
     fwd::online_softmax<W>(s, row_max, row_sum, o, scale_log2);

@@ -3,7 +3,7 @@
 // One CTA owns kBlockM query rows of one (batch, head) and walks the visible
 // key blocks from the last to the first (the masked diagonal block comes
 // first, so later blocks skip masking). Per key block:
-//   S = Q K^T (fp32) -> softcap / ALiBi / mask -> online softmax in the exp2
+//   S = Q K^T (fp32) -> softcap / ALiBi / relative bias / mask -> online softmax in the exp2
 //   domain -> (dropout) -> O += P V with P packed from S's registers.
 // O stays unnormalised until the end; the natural-log LSE goes out in fp32.
 // Shared memory holds one Q, one K and one V tile, XOR-swizzled; cp.async
@@ -68,6 +68,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
   const float scale_over_cap = has_softcap ? p.softmax_scale / p.softcap : 0.f;
   // ALiBi bias in the units of S before scaling: slope * log2(e) / scale_log2.
   const float alibi = p.alibi_slopes ? p.alibi_slopes[batch * p.alibi_batch_stride + head] * kLog2e / scale_log2 : 0.f;
+  const RelBias rb(p, head, seqlen_q, seqlen_k);
   const bool has_dropout = p.dropout_p > 0.f;
   const uint64_t seed = has_dropout ? uint64_t(p.rng_state[0]) : 0;
   const uint32_t rng_offset = has_dropout ? uint32_t(p.rng_state[1]) : 0;
@@ -101,7 +102,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
     }
     tile::cp_async_commit();
 
-    // ---- scores: softcap, ALiBi, mask (S is still q.k, unscaled) ----------------
+    // ---- scores: softcap, ALiBi, relative bias, mask (S is still q.k, unscaled) ----
     if (has_softcap) apply_softcap(s, p.softcap, scale_over_cap);
     if (alibi != 0.f) {
 #pragma unroll
@@ -114,6 +115,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
             s[mi][nt][e] -= alibi * float(abs(row_of(mi, e >> 1) + w.diag - j));
           }
     }
+    if (rb.table) add_rel_bias(s, rb, kLog2e / scale_log2, m0, m_last, n0, t, row_of);
     if (!w.covers(m0, m_last, n0, n0 + kBlockN - 1)) apply_mask(s, w, n0, t, row_of);
 
     online_softmax<Tr>(s, row_max, row_sum, o, scale_log2);

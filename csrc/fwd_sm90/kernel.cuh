@@ -8,7 +8,7 @@
 //   consumers (240 registers): 64 query rows each, one m64 wgmma tile. They walk the visible key blocks
 //             from the last to the first like fwd/kernel.cuh. Per key block:
 //     S = Q K^T   wgmma, Q and K from shared memory (both K-major)
-//     mask, online softmax in registers on the accumulator layout (the sm80 helpers: per warp the wgmma
+//     relative bias, mask, online softmax in registers on the accumulator layout (the sm80 helpers: per warp the wgmma
 //                 accumulator is the mma.m16n8 C fragment repeated along N)
 //     O += P V    wgmma, P from registers (packed from S, no shuffles), V from shared memory (MN-major:
 //                 the descriptor's transpose bit reads V's rows as B's K dimension)
@@ -166,8 +166,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
     sm90::commit();
   };
+  const RelBias rb(p, head, seqlen_q, seqlen_k);
   auto softmax = [&](int it) {  // on S of step it, landed; alpha for O
     const int n0 = (n_block_max - 1 - it) * kBlockN;
+    if (rb.table) fwd::add_rel_bias(s, rb, fwd::kLog2e / scale_log2, row0 - g, row0 - g + 15, n0, t, row_of);
     if (!w.covers(m0, m_last, n0, n0 + kBlockN - 1)) fwd::apply_mask(s, w, n0, t, row_of);
     fwd::softmax_step<Tr>(s, row_max, row_sum, alpha, scale_log2);
   };
