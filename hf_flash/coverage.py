@@ -114,6 +114,7 @@ FIXUPS: dict[str, dict] = {
     # its feed-forward and expert sizes are not the generic names (146M parameters otherwise: ~30 s on CPU)
     "longcat_flash": {"ffn_hidden_size": 128, "expert_ffn_hidden_size": 32, "moe_topk": 2, "zero_expert_num": 2},
     "mamba2": {"num_heads": 8, "n_groups": 1},  # num_heads * head_dim = 2 * hidden
+    "longt5": {"local_radius": 3},  # the encoder's local window bites at these lengths (default 127)
     # per-layer-type rotary tables (mrope sections sum to head_dim / 2)
     "cohere_compass_text": {"layer_types": ["sliding_attention", "full_attention"], "rope_parameters": {
         t: {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]}

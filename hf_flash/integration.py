@@ -53,11 +53,9 @@ class UnsupportedAttentionError(ValueError):
 
 def attention_forward(module, query, key, value, attention_mask, **kwargs):
     """The function transformers calls for every attention layer (AttentionInterface)."""
-    for extra in ("sinks", "position_bias"):  # score terms the flash wrapper would silently drop (inkling)
-        if kwargs.get(extra) is not None:
-            raise UnsupportedAttentionError(
-                f"hf_flash cannot add {extra!r} to the attention scores, used by {type(module).__name__}; "
-                "load this model with attn_implementation='eager' or 'sdpa'")
+    if kwargs.get("sinks") is not None:  # a score term the flash wrapper would silently drop (inkling)
+        _refuse_score_term(module, "sinks")
+    rel_bias = _rel_bias(module, kwargs.get("position_bias"))
     if kwargs.get("output_attentions"):
         raise UnsupportedAttentionError("hf_flash never materialises attention weights; "
                                         "use attn_implementation='eager' with output_attentions=True")
@@ -69,17 +67,68 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
     is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if attention_mask is not None and _is_cross_attention(module, is_causal):
         return _cross_attention(query, key, value, attention_mask, kwargs.get("dropout", 0.0), kwargs.get("scaling"),
-                                kwargs.get("softcap"), kwargs.get("s_aux"))
+                                kwargs.get("softcap"), kwargs.get("s_aux"), rel_bias)
     if is_causal and _is_decode_step(module, query, key, value, attention_mask, kwargs):
         ranges = _key_ranges(attention_mask, query)
         if ranges is not None:
-            return _decode(query, key, value, *ranges, kwargs), None
+            return _decode(query, key, value, *ranges, kwargs, rel_bias), None
+    if rel_bias is not None:  # the flash wrapper has no relative bias to pass on
+        return _attend_with_rel_bias(query, key, value, attention_mask, is_causal, rel_bias, kwargs), None
     from transformers.integrations.flash_attention import flash_attention_forward
 
     if attention_mask is None and query.shape[0] == 1 and kwargs.get("position_ids") is not None \
             and kwargs.get("cu_seq_lens_q") is None and not _capturing(query):
         kwargs = {**kwargs, **_packing(kwargs["position_ids"])}
     return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _refuse_score_term(module, name: str):
+    raise UnsupportedAttentionError(
+        f"hf_flash cannot add {name!r} to the attention scores, used by {type(module).__name__}; "
+        "load this model with attn_implementation='eager' or 'sdpa'")
+
+
+def _rel_bias(module, position_bias):
+    """The relative position bias table a model's ``position_bias`` carries, or None.
+
+    A 2-D ``(H, 2R + 1)`` tensor is the table that ``hf_flash.patches.t5`` makes T5-family modules build; a 4-D
+    one from such a module is T5's zero bias of a module without a relative bias. Any other dense bias (a model
+    without that patch) is refused rather than dropped."""
+    if position_bias is None:
+        return None
+    if position_bias.dim() == 2:
+        return position_bias
+    from .patches.t5 import MARK
+
+    if getattr(module, MARK, False):
+        return None
+    _refuse_score_term(module, "position_bias")
+
+
+def _attend_with_rel_bias(query, key, value, mask, is_causal: bool, rel_bias, kwargs):
+    """Attention with a relative position bias (the T5 family): what the flash wrapper does for these models,
+    the relative bias included: the padding mask unpads (a static cache's prefill reads the mask's keys), or
+    ``cu_seq_lens_*`` pack. (B, H, S, D) in, (B, S, H, D) out."""
+    from .patches._common import attend
+
+    scale = kwargs.get("scaling")
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    dropout = kwargs.get("dropout") or 0.0
+    deterministic = kwargs.get("deterministic")
+    if deterministic is None:
+        import os
+
+        deterministic = os.getenv("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"  # as the flash wrapper reads it
+    if kwargs.get("cu_seq_lens_q") is not None:
+        b, h, d = query.shape[0], query.shape[1], query.shape[-1]
+        flat = [t.transpose(1, 2).reshape(-1, t.shape[1], d) for t in (query, key, value)]
+        out = interface.flash_attn_varlen_func(
+            *flat, kwargs["cu_seq_lens_q"].int(), kwargs["cu_seq_lens_k"].int(), int(kwargs["max_length_q"]),
+            int(kwargs["max_length_k"]), dropout_p=dropout, softmax_scale=scale, causal=is_causal,
+            deterministic=deterministic, rel_bias=rel_bias)
+        return out.view(b, -1, h, d)
+    return attend(query, key, value, mask, causal=is_causal, scale=scale, dropout=dropout, rel_bias=rel_bias,
+                  deterministic=deterministic)
 
 
 def _packing(position_ids) -> dict:
@@ -173,7 +222,7 @@ def _log_once(message: str) -> None:
     logger.warning(message)
 
 
-def _decode(query, key, value, start, end, bad, kwargs):
+def _decode(query, key, value, start, end, bad, kwargs, rel_bias=None):
     """flash_attn_with_kvcache's op on (B, S, H, D) transposed views of the (B, H, S, D) cache: no copy.
     The public function's argument checks are skipped: _is_decode_step and _key_ranges built consistent
     arguments, and a decode step's host time is what generation speed is made of."""
@@ -185,7 +234,7 @@ def _decode(query, key, value, start, end, bad, kwargs):
     out, _ = ops.run_fwd_kvcache(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), end, start,
         query.shape[-1] ** -0.5 if scale is None else float(scale), True, -1 if window is None else window - 1, 0,
-        float(kwargs.get("softcap") or 0.0), None, 0, sinks=_sinks(kwargs.get("s_aux"), query))
+        float(kwargs.get("softcap") or 0.0), None, 0, sinks=_sinks(kwargs.get("s_aux"), query), rel_bias=rel_bias)
     return out if bad is None else out.masked_fill(bad[:, None, None, None], float("nan"))
 
 
@@ -211,7 +260,7 @@ def _is_cross_attention(module, is_causal: bool) -> bool:
     return "CrossAttention" in type(module).__name__ or (getattr(module, "is_decoder", False) and not is_causal)
 
 
-def _cross_attention(query, key, value, key_mask, dropout: float, scaling, softcap, sinks=None):
+def _cross_attention(query, key, value, key_mask, dropout: float, scaling, softcap, sinks=None, rel_bias=None):
     """Every query row attends to the unpadded keys of its batch row, as eager does.
 
     transformers' flash wrapper would unpad the queries with the encoder's key mask (sliced to the query
@@ -224,7 +273,7 @@ def _cross_attention(query, key, value, key_mask, dropout: float, scaling, softc
     out = interface.flash_attn_varlen_func(
         query.transpose(1, 2).reshape(b * sq, h, d), key.transpose(1, 2)[valid], value.transpose(1, 2)[valid],
         cu_seqlens_q, cu_seqlens_k, sq, int(lengths.max()), dropout_p=dropout, softmax_scale=scaling, causal=False,
-        softcap=softcap or 0.0, learnable_sink=_sinks(sinks, query))
+        softcap=softcap or 0.0, learnable_sink=_sinks(sinks, query), rel_bias=rel_bias)
     return out.view(b, sq, h, -1), None
 
 

@@ -58,11 +58,17 @@ PATCH_MODULES = {
     "gpt_neox_japanese": "gpt_neox_japanese",
     "gptj": "gptj",
     "layoutlm": "extended_mask",
+    "longt5": "t5",
     "markuplm": "extended_mask",
     "mpt": "mpt",
+    "mt5": "t5",
     "nllb-moe": "nllb_moe",
+    "pop2piano": "t5",
     "roformer": "roformer",
+    "switch_transformers": "t5",
+    "t5": "t5",
     "t5gemma": "t5gemma",
+    "umt5": "t5",
     "xglm": "xglm",
 }
 

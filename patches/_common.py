@@ -19,14 +19,18 @@ NAME = "hf_flash"
 
 
 def attend(query, key, value, attention_mask, *, causal: bool, scale: float, dropout: float = 0.0,
-           window_left: int = -1, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+           window_left: int = -1, window_right: Optional[int] = None, alibi_slopes: Optional[torch.Tensor] = None,
+           rel_bias: Optional[torch.Tensor] = None, deterministic: bool = False) -> torch.Tensor:
     """Attention through hf_flash's kernels.
 
     ``query`` ``(B, Hq, Sq, D)``, ``key``/``value`` ``(B, Hk, Sk, D)`` (the layout
     these legacy modules use); ``attention_mask`` is the 2-D ``(B, Sk)`` padding
-    mask that transformers builds for flash implementations (1 = token), or None.
-    ``window_left=w`` lets query i see keys ``i-w .. i``. ALiBi slopes are
-    float32 ``(Hq,)``. Returns ``(B, Sq, Hq, D)``.
+    mask that transformers builds for flash implementations (1 = token), or None;
+    a mask shorter than the keys (a static cache's prefill) covers their first
+    rows. ``window_left=w`` lets query i see keys ``i-w .. i`` (``.. i+window_right``
+    when given, for bidirectional windows). ALiBi slopes are float32 ``(Hq,)``;
+    ``rel_bias`` a relative position bias table (``flash_attn_func``). Returns
+    ``(B, Sq, Hq, D)``.
     """
     from hf_flash.interface import flash_attn_func, flash_attn_varlen_func
 
@@ -34,13 +38,17 @@ def attend(query, key, value, attention_mask, *, causal: bool, scale: float, dro
         from hf_flash.integration import UnsupportedAttentionError
 
         raise UnsupportedAttentionError(f"hf_flash patches take a 2-D padding mask, got {attention_mask.dim()}-D")
+    if attention_mask is not None and attention_mask.shape[-1] < key.shape[2]:
+        key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    window = (window_left, 0 if causal else -1) if window_left >= 0 else (-1, -1)
+    right = (0 if causal else -1) if window_right is None else window_right
+    window = (window_left, right) if window_left >= 0 else (-1, -1)
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=torch.float32)
+    extra = dict(alibi_slopes=alibi_slopes, rel_bias=rel_bias, deterministic=deterministic)
     if attention_mask is None or bool(attention_mask.all()):
         return flash_attn_func(q, k, v, dropout_p=dropout, softmax_scale=scale, causal=causal, window_size=window,
-                               alibi_slopes=alibi_slopes)
+                               **extra)
     b, sq = q.shape[:2]
     mask_k = attention_mask.bool()
     mask_q = mask_k[:, -sq:]  # queries are the last sq positions (left padding, or prefill without cache)
@@ -48,7 +56,7 @@ def attend(query, key, value, attention_mask, *, causal: bool, scale: float, dro
     k_u, _, cu_k, max_k = _unpad(k, mask_k)
     v_u = _unpad(v, mask_k)[0]
     out = flash_attn_varlen_func(q_u, k_u, v_u, cu_q, cu_k, max_q, max_k, dropout_p=dropout, softmax_scale=scale,
-                                 causal=causal, window_size=window, alibi_slopes=alibi_slopes)
+                                 causal=causal, window_size=window, **extra)
     padded = out.new_zeros(b * sq, *out.shape[1:])
     padded = padded.index_copy(0, idx_q, out)
     return padded.view(b, sq, *out.shape[1:])

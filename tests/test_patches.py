@@ -49,7 +49,7 @@ def test_packaging_lists_every_subpackage():
     assert installed.resolve() == (ROOT / "patches" / "__init__.py").resolve() or "site-packages" in str(installed)
 
 
-@pytest.mark.parametrize("model_type", sorted(PATCH_MODULES))
+@pytest.mark.parametrize("model_type", sorted(set(PATCH_MODULES) - {"pop2piano"}))  # audio: tests/test_t5.py
 def test_patch_keeps_state_dict_and_matches_eager(model_type, kernel_calls):
     config = tiny_config(model_type)
     eager = build(model_type, config, "eager").eval()
@@ -66,7 +66,7 @@ def test_patch_keeps_state_dict_and_matches_eager(model_type, kernel_calls):
         h.remove()
     assert kernel_calls["fwd"] == len(calls) > 0  # every attention call ran on the kernel
     # a patch binds only where the code it replaces exists; elsewhere the model ran through the interface
-    assert any(patches._common.is_patched(m, n) for m in eager.modules() for n in ("forward", "_attn")) \
+    assert any(patches._common.is_patched(m, n) for m in eager.modules() for n in ("forward", "_attn", "compute_bias")) \
         == (patches.patch_applies(model_type) and model_type != "t5gemma")  # t5gemma widens a window, binds nothing
     torch.testing.assert_close(actual, expected, atol=5e-5, rtol=1e-4)
     loaded = build(model_type, config, "hf_flash").eval()
