@@ -95,7 +95,7 @@ def _check_sinks(q: Tensor, learnable_sink) -> None:
         raise ValueError(f"learnable_sink must be on {q.device}, got {learnable_sink.device}")
 
 
-def _check_rel_bias(q: Tensor, rel_bias, softcap: float, deterministic: bool = False) -> None:
+def _check_rel_bias(q: Tensor, rel_bias, softcap: float, deterministic: bool = False, grads=()) -> None:
     """A relative position bias table: (heads, 2R+1) floating point on q's device; not with softcap (no model
     combines them, and the backward's bias gradient is the logit's, before softcap); not with deterministic
     training on the kernels (their d rel_bias sums use atomics)."""
@@ -112,7 +112,8 @@ def _check_rel_bias(q: Tensor, rel_bias, softcap: float, deterministic: bool = F
         raise ValueError(f"rel_bias must be on {q.device}, got {rel_bias.device}")
     if softcap > 0:
         raise ValueError("rel_bias cannot be combined with softcap > 0")
-    if deterministic and torch.is_grad_enabled() and ops.uses_kernels(q):
+    if deterministic and torch.is_grad_enabled() and any(t.requires_grad for t in (q, *grads, rel_bias)) \
+            and ops.uses_kernels(q):
         raise ValueError("deterministic=True does not cover rel_bias's gradient on the CUDA kernels yet (its sums "
                          "use atomics); pass deterministic=False")
 
@@ -132,7 +133,7 @@ def _scale(q: Tensor, softmax_scale: Optional[float]) -> float:
 def _run(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
          deterministic, return_attn_probs, learnable_sink, rel_bias):
     _check_sinks(q, learnable_sink)
-    _check_rel_bias(q, rel_bias, softcap, deterministic)
+    _check_rel_bias(q, rel_bias, softcap, deterministic, (k, v))
     out, lse = ops.run_fwd(q, k, v, cu_q, cu_k, max_q, max_k, _scale(q, softmax_scale), bool(causal), window[0],
                            window[1], float(softcap), alibi_slopes, float(dropout_p), _rng_state(q, dropout_p),
                            bool(deterministic), sinks=learnable_sink, rel_bias=rel_bias)

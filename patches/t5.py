@@ -107,8 +107,12 @@ def apply_hf_flash_to_t5(model=None):
     if not applies() or model is None:
         return 0
     n = 0
-    for module in model.modules():
+    for path, module in model.named_modules():
         name = type(module).__name__
+        if name in ATTENTION_CLASSES and path.endswith("SelfAttention") and module.is_decoder:
+            # transformers 5.17 builds UMT5's decoder self-attention with is_causal=False (eager is causal through its
+            # 4-D mask; sdpa leaks future tokens there); the flash path reads is_causal
+            module.is_causal = True
         if name in ATTENTION_CLASSES:
             bind(module, "compute_bias", _compute_bias, model.config)
             if name in EXTENDED_MASK_CLASSES:
