@@ -89,6 +89,7 @@ class Case:
     seqlens_int: bool = False  # kvcache: cache_seqlens passed as one int
     num_splits: int = 0  # kvcache: the decode kernel's split count (0: its own choice)
     sinks: bool = False  # learned attention sinks (float32, one per query head), with a gradient
+    rel_bias: int = -1  # relative position bias (T5): radius R (-1: none) of a float32 (h, 2R + 1) table
     corrupt: str = ""  # run_bad_case: which argument to break (see BAD)
     seed: int = 0
 
@@ -196,13 +197,22 @@ def draw_case(src, lim: Limits, kinds=("dense", "varlen", "kvcache")) -> Case:
     window = src.pick(((-1, -1), (-1, -1), "drawn"))
     if window == "drawn":
         window = (src.pick((-1, 0, src.int(0, longest))), src.pick((-1, 0, src.int(0, longest))))
-    return Case(kind=kind, dtype=dtype, h=h, hk=hk, d=d, lens_q=lens_q, lens_k=lens_k,
+    case = Case(kind=kind, dtype=dtype, h=h, hk=hk, d=d, lens_q=lens_q, lens_k=lens_k,
                 causal=src.pick((False, True)), window=window, softcap=src.pick((0.0, 0.0, 0.0, 5.0, 30.0)),
                 alibi=src.pick(("", "", "", "h", "bh")),
                 dropout=0.0 if kind == "kvcache" else src.pick((0.0, 0.0, 0.0, 0.17)),
                 deterministic=src.pick((False, True)), scale=src.pick((None, None, 0.3)),
                 layout=src.pick(("contiguous", "transposed", "padded")), seed=src.int(0, 2**31 - 1),
-                sinks=src.pick((False, False, False, True)), **extra)  # drawn last: older draws keep their cases
+                sinks=src.pick((False, False, False, True)), **extra)
+    # New features are drawn after the others, so older draws keep their cases. The relative bias: not with
+    # softcap (refused), nor deterministic (the kernels' d rel_bias sums use atomics); radii from one column
+    # (a per-head constant) through a few (most distances clamped) to past every distance (none clamped).
+    if case.softcap == 0 and not case.deterministic and src.pick((False, True, True)):
+        far = max(case.lens_q + case.lens_k) + case.s_new  # every |j - i - (sk - sq)| is below it
+        radius = src.pick(("few", "few", "any", "far"))
+        radius = src.int(0, 8) if radius == "few" else src.int(0, far) if radius == "any" else far + src.int(0, 2)
+        case = dataclasses.replace(case, rel_bias=radius)
+    return case
 
 
 # ---- running a case ---------------------------------------------------------------------------------------------
@@ -229,6 +239,13 @@ def _slopes(case: Case, gen, device):
 
 def _sinks(case: Case, gen, device):
     return torch.randn(case.h, generator=gen).to(device) if case.sinks else None
+
+
+def _rel_bias(case: Case, gen, device):
+    """The table, large enough to reorder a row's softmax (T5's trained biases span a few units)."""
+    if case.rel_bias < 0:
+        return None
+    return torch.randn(case.h, 2 * case.rel_bias + 1, generator=gen).mul(2.0).to(device)
 
 
 def _rng_state(case: Case, device):
@@ -264,6 +281,7 @@ class _Inputs:
         self.slopes = _slopes(case, gen, device)
         self.rng_state = _rng_state(case, device)
         self.sinks = _sinks(case, gen, device)
+        self.rel_bias = _rel_bias(case, gen, device)
 
     def sequences(self, case: Case):
         """(index, q, k, v, dout row slices as (1, S, H, D)) per sequence."""
@@ -277,72 +295,107 @@ class _Inputs:
             yield i, (sq, sk), self.q[None, sq], self.k[None, sk], self.v[None, sk], self.dout[None, sq]
 
 
-def _naive_sequence(case: Case, i, q, k, v, slopes, rng_state, dtype, return_lse=False, sinks=None):
-    """Attention of one sequence in ``dtype`` (autograd-able), dropout mask from the kernels' Philox."""
-    keep = None
-    if case.dropout > 0:
-        rows = torch.arange(q.shape[1], device=q.device)
-        cols = torch.arange(k.shape[1], device=q.device)
-        keep = reference.dropout_keep(rng_state, i, case.h, rows, cols, case.dropout)[None]
+def _keep(case: Case, i, rng_state, sq: int, sk: int, device):
+    """Sequence i's dropout keep-mask (1, H, Sq, Sk), from the kernels' Philox."""
+    rows, cols = torch.arange(sq, device=device), torch.arange(sk, device=device)
+    return reference.dropout_keep(rng_state, i, case.h, rows, cols, case.dropout)[None]
+
+
+def _naive_sequence(case: Case, i, q, k, v, slopes, rng_state, dtype, return_lse=False, sinks=None, rel_bias=None,
+                    weights=None):
+    """Attention of one sequence in ``dtype`` (autograd-able), dropout mask from the kernels' Philox; or, given
+    ``weights`` (1, H, Sq, Sk), P times those instead."""
+    keep, p_drop = (weights, 0.0) if weights is not None else (None, case.dropout)
+    if weights is None and case.dropout > 0:
+        keep = _keep(case, i, rng_state, q.shape[1], k.shape[1], q.device)
     alibi = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[i : i + 1])
     return reference.naive_attention(q.to(dtype), k.to(dtype), v.to(dtype), softmax_scale=case.scale,
                                      causal=case.causal, window_size=case.window, softcap=case.softcap,
-                                     alibi_slopes=alibi, dropout_keep_mask=keep, dropout_p=case.dropout,
-                                     sinks=sinks, return_lse=return_lse)
+                                     alibi_slopes=alibi, dropout_keep_mask=keep, dropout_p=p_drop,
+                                     sinks=sinks, rel_bias=rel_bias, return_lse=return_lse)
 
 
-def _ours(case: Case, x: _Inputs, q, k, v, sinks=None):
+def _ours(case: Case, x: _Inputs, q, k, v, sinks=None, rel_bias=None):
     """The public function (or, with dropout, the op with our own rng_state, so the oracle can redraw it)."""
     if case.dropout > 0:
         cu_q, cu_k = (x.cu_q, x.cu_k) if case.kind == "varlen" else (None, None)
         scale = case.d**-0.5 if case.scale is None else case.scale
         return ops.run_fwd(q, k, v, cu_q, cu_k, max(case.lens_q), max(case.lens_k), scale, case.causal,
                            case.window[0], case.window[1], case.softcap, x.slopes, case.dropout, x.rng_state,
-                           case.deterministic, sinks=sinks)[0]
+                           case.deterministic, sinks=sinks, rel_bias=rel_bias)[0]
     kw = dict(softmax_scale=case.scale, causal=case.causal, window_size=case.window, softcap=case.softcap,
-              alibi_slopes=x.slopes, deterministic=case.deterministic, learnable_sink=sinks)
+              alibi_slopes=x.slopes, deterministic=case.deterministic, learnable_sink=sinks, rel_bias=rel_bias)
     if case.kind == "dense":
         return flash_attn_func(q, k, v, **kw)
     return flash_attn_varlen_func(q, k, v, x.cu_q, x.cu_k, max(case.lens_q), max(case.lens_k), **kw)
 
 
+def _logit_terms(case: Case, i, q, k, v, dout, out, slopes, rng_state, shared) -> torch.Tensor:
+    """Sum |d logit| and sum d logit^2 per rel_bias column, (2, H, 2R + 1) float64, of one sequence: the d logits
+    P (dP - D) of its (query, key) pairs as the kernels round them, D from ``out`` (ours, as stored). P is read
+    off the oracle itself: with V = 1, the gradient of sum(O) by a weight on each P."""
+    sq, sk, hk = q.shape[1], k.shape[1], k.shape[2]
+    f64 = dict(dtype=torch.float64, device=q.device)
+    weights = torch.ones(1, case.h, sq, sk, **f64, requires_grad=True)
+    o = _naive_sequence(case, i, q, k, torch.ones(1, sk, hk, 1, **f64), slopes, None, torch.float64, **shared,
+                        weights=weights)
+    p = torch.autograd.grad(o.sum(), weights)[0]
+    dp = torch.einsum("bqhd,bkhd->bhqk", dout.double(), v.detach().double().repeat_interleave(case.h // hk, 2))
+    if case.dropout > 0:
+        dp = dp * _keep(case, i, rng_state, sq, sk, q.device) / (1 - case.dropout)
+    ds = p * (dp - (dout.double() * out.double()).sum(-1).transpose(1, 2)[..., None])
+    rows, cols = torch.arange(sq, device=q.device), torch.arange(sk, device=q.device)
+    index = reference.relative_positions(rows, cols, sq, sk, case.rel_bias).flatten()
+    sums = torch.zeros(2, case.h, 2 * case.rel_bias + 1, **f64)
+    sums[0].index_add_(1, index, ds[0].abs().flatten(1))
+    sums[1].index_add_(1, index, ds[0].square().flatten(1))
+    return sums
+
+
 def _check_trainable(case: Case, device, check: bool = True) -> None:
     x = _Inputs(case, device)
     dtype = DTYPES[case.dtype]
-    leaves = [t.detach().requires_grad_() for t in (x.q, x.k, x.v)]  # keeps the view's strides
-    if x.sinks is not None:
-        leaves.append(x.sinks.detach().requires_grad_())
-    names = ("dq", "dk", "dv", "dsinks")[: len(leaves)]
-    out = _ours(case, x, *leaves)
+    # q, k, v, then the parameters every sequence shares (one row per query head): the sinks, the rel_bias table
+    shared = {n: t.detach().requires_grad_() for n, t in (("sinks", x.sinks), ("rel_bias", x.rel_bias))
+              if t is not None}
+    leaves = [t.detach().requires_grad_() for t in (x.q, x.k, x.v)] + list(shared.values())  # keeps the strides
+    names = ["dq", "dk", "dv"] + [f"d{n}" for n in shared]
+    out = _ours(case, x, *leaves[:3], **shared)
     grads = torch.autograd.grad(out, leaves, x.dout, allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
     if case.deterministic:
-        again = torch.autograd.grad(_ours(case, x, *leaves), leaves, x.dout, allow_unused=True)
+        again = torch.autograd.grad(_ours(case, x, *leaves[:3], **shared), leaves, x.dout, allow_unused=True)
         for name, g, g2 in zip(names, grads, again):
             assert g2 is None or torch.equal(g, g2), f"{name}: deterministic=True gave two different results"
     if not check:
         return
     f64 = dict(dtype=torch.float64)
-    # The backward's two D terms (below) for dq, dk and the sinks: exact rounding, float32-sum bound.
-    rounding = [torch.zeros_like(x.q, **f64), torch.zeros_like(x.k, **f64), torch.zeros(case.h, **f64, device=device)]
-    d_sum = [0.0, 0.0, torch.zeros(case.h, **f64, device=device)]
+    # The backward's two D terms (below) for dq, dk and the shared parameters: exact rounding, float32-sum bound.
+    rounding = [torch.zeros_like(t, **f64) for t in leaves[:2] + leaves[3:]]
+    d_sum = [0.0, 0.0] + [torch.zeros_like(t, **f64) for t in leaves[3:]]
+    terms = None if x.rel_bias is None else torch.zeros(2, *x.rel_bias.shape, **f64, device=device)
     scale = case.d**-0.5 if case.scale is None else case.scale
+    # d rel_bias's yardstick is the naive math in float32 (the kernels' sums), not in a 16-bit dtype (below); its
+    # d logits' magnitudes per column (sum |x|, sum x^2) bound their rounding
+    precisions = (torch.float64, dtype)
+    if x.rel_bias is not None and dtype in (torch.float16, torch.bfloat16):
+        precisions += (torch.float32,)
     results = {}
-    for precision in (torch.float64, dtype):
+    for precision in precisions:
         ref = [torch.zeros_like(t, dtype=precision) for t in leaves]
-        sinks = None if x.sinks is None else x.sinks.detach().to(precision).requires_grad_()
+        params = {n: t.detach().to(precision).requires_grad_() for n, t in shared.items()}
         outs = []
         for i, rows, q, k, v, dout in x.sequences(case):
             q, k, v = (t.detach().to(precision).requires_grad_() for t in (q, k, v))
-            inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
-            o, lse = _naive_sequence(case, i, q, k, v, x.slopes, x.rng_state, precision, True, sinks)
+            inputs = (q, k, v, *params.values())
+            o, lse = _naive_sequence(case, i, q, k, v, x.slopes, x.rng_state, precision, True, **params)
             g = torch.autograd.grad(o, inputs, dout.to(precision), allow_unused=True, retain_graph=True)
             outs.append(o.detach()[0])
             rq, rk = (rows, rows) if case.kind == "dense" else rows
             for r, gi, at in zip(ref, g, (rq, rk, rk)):
                 r[at] = 0 if gi is None else gi[0]
-            if sinks is not None and g[3] is not None:
-                ref[3] += g[3]
+            for r, gi in zip(ref[3:], g[3:]):  # summed over the sequences
+                r += 0 if gi is None else gi
             if precision is torch.float64 and q.numel() and k.numel():
                 # The backward's D = rowsum(dO * O) reads O as stored, rounded to the input dtype (flash-attn's
                 # design): dS = P (dP - D) is off by -P * dD. In float64 that is the gradient of -dD . LSE.
@@ -352,23 +405,30 @@ def _check_trainable(case: Case, device, check: bool = True) -> None:
                                         retain_graph=True)
                 rounding[0][rq] = 0 if c[0] is None else c[0][0]
                 rounding[1][rk] = 0 if c[1] is None else c[1][0]
+                for r, ci in zip(rounding[2:], c[2:]):
+                    r += 0 if ci is None else ci
                 # D is a float32 sum over the head dim: off by up to ~1 ulp of sum |dO * O| per row (b), which
                 # dS = P (dP - D) carries into dQ (sum_k P = 1) and dK (sum_i P_ik b_i: the gradient of V for
-                # an output gradient of b / d on every column), and d sink = -sum_i exp(sink - LSE_i) D_i.
+                # an output gradient of b / d on every column), d sink = -sum_i exp(sink - LSE_i) D_i and
+                # d rel_bias[c] (sum of P_ij b_i over c's pairs): those two the gradient of b . LSE.
                 b = _ULP[torch.float32] * (dout.double() * mine.double()).abs().sum(-1, keepdim=True)
                 seen = torch.autograd.grad(o, v, b.expand_as(o) / o.shape[-1], retain_graph=True)[0].sum(-1)
                 d_sum[0] = max(d_sum[0], scale * b.max().item() * k.detach().abs().max().item())
                 d_sum[1] = max(d_sum[1], scale * seen.max().item() * q.detach().abs().max().item())
-                if sinks is not None:
-                    rounding[2] += 0 if c[2] is None else c[2]
-                    d_sum[2] += torch.autograd.grad((b[..., 0].transpose(1, 2) * lse).sum(), sinks)[0]
+                if params:
+                    bound = torch.autograd.grad((b[..., 0].transpose(1, 2) * lse).sum(), inputs[3:],
+                                                allow_unused=True, retain_graph=True)
+                    for s, gi in zip(d_sum[2:], bound):
+                        s += 0 if gi is None else gi
+                if terms is not None:
+                    terms += _logit_terms(case, i, q, k, v, dout, mine, x.slopes, x.rng_state, params)
         ref_out = torch.stack(outs) if case.kind == "dense" else torch.cat(outs) if outs else x.q.to(precision)
         results[precision] = (ref_out.reshape(out.shape), *ref)
     ref, same = results[torch.float64], results[dtype]
     assert_close(out.detach(), ref[0], same[0], "out")
     # Float32 cancellation in D over a sequence's rows, which the naive math does not have (its exact zeros, e.g.
-    # dK with one key, are not ours); and the two D terms above.
-    magnitude = max([1.0] + [r.abs().max().item() for r in ref[1:] if r.numel()])
+    # dK with one key, are not ours); and the two D terms above. (d rel_bias, a sum over many rows, has its own.)
+    magnitude = max([1.0] + [r.abs().max().item() for n, r in zip(names, ref[1:]) if r.numel() and n != "drel_bias"])
     longest = max(case.lens_q + case.lens_k + (1,))
     slack = _ULP[torch.float32] * magnitude * longest
     if case.dropout > 0 and out.numel():
@@ -377,11 +437,23 @@ def _check_trainable(case: Case, device, check: bool = True) -> None:
         row_d = (x.dout.double() * out.detach().double()).pow(2).sum(-1).sqrt().max().item()
         qk = max(x.q.abs().max().item(), x.k.abs().max().item() if x.k.numel() else 0.0)
         slack += scale * _ULP[dtype] * row_d * qk * math.sqrt(longest) / (1 - case.dropout)
-    extras = [rounding[0], rounding[1], None, rounding[2]]
-    bounds = [d_sum[0], d_sum[1], 0.0, d_sum[2].max().item()]
+    extras = [rounding[0], rounding[1], None, *rounding[2:]]
+    bounds = [d_sum[0], d_sum[1], 0.0, *(s.max().item() if s.numel() else 0.0 for s in d_sum[2:])]
     for name, gi, r, sp, c, f32 in zip(names, grads, ref[1:], same[1:], extras, bounds):
         # the rounding term, itself rounded with dS to the input dtype before the dQ / dK products
         extra = c.abs().max().item() * (1 + _ULP[dtype]) if c is not None and c.numel() else 0.0
+        if name == "drel_bias":
+            # d rel_bias[h, c] sums the d logits x_t = P (dP - D) of column c's (query, key) pairs, in float32. The
+            # naive math in bf16 / fp16 sums them in that dtype (7% off over a few thousand terms): 3x that passes
+            # 20% errors, or a kernel summing in fp16. So its yardstick is the naive math in float32, plus the
+            # kernels' rounding of each x_t to the input dtype like dS, |e_t| <= u |x_t| (u: half an ulp at 1): at
+            # most u sum |x_t|, and over 6 u sqrt(sum x_t^2) with probability < 2 exp(-18) = 3e-8 (Hoeffding: the
+            # e_t independent, zero-mean); the two D terms above, and the float32 slack of its own magnitude.
+            sp = results[torch.float64 if dtype is torch.float64 else torch.float32][names.index(name) + 1]
+            per_term = (_ULP[dtype] / 2 * torch.minimum(terms[0], 6 * terms[1].sqrt())).max().item()
+            own = _ULP[torch.float32] * max(1.0, r.abs().max().item()) * longest
+            assert_close(gi, r, sp, name, factor=3.0, slack=own + extra + f32 + per_term)
+            continue
         assert_close(gi, r, sp, name, factor=3.0, slack=slack + extra + f32)  # tests/test_kernels_bwd.py's factor
 
 
@@ -397,11 +469,12 @@ def _cache_inputs(case: Case, device):
     seqlens = torch.tensor(case.lens_k, dtype=torch.int32, device=device)
     leftpad = None if case.leftpad is None else torch.tensor(case.leftpad, dtype=torch.int32, device=device)
     slopes = _slopes(case, gen, device)
-    return q, k_cache, v_cache, new, seqlens, leftpad, slopes, _sinks(case, gen, device)
+    sinks = _sinks(case, gen, device)
+    return q, k_cache, v_cache, new, seqlens, leftpad, slopes, sinks, _rel_bias(case, gen, device)
 
 
 def _check_kvcache(case: Case, device, check: bool = True) -> None:
-    q, k_cache, v_cache, (k_new, v_new), seqlens, leftpad, slopes, sinks = _cache_inputs(case, device)
+    q, k_cache, v_cache, (k_new, v_new), seqlens, leftpad, slopes, sinks, rel_bias = _cache_inputs(case, device)
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
     for i, n in enumerate(case.lens_k):
         if case.s_new:
@@ -410,7 +483,7 @@ def _check_kvcache(case: Case, device, check: bool = True) -> None:
                                   cache_seqlens=case.lens_k[0] if case.seqlens_int else seqlens,
                                   cache_leftpad=leftpad, softmax_scale=case.scale, causal=case.causal,
                                   window_size=case.window, softcap=case.softcap, alibi_slopes=slopes,
-                                  num_splits=case.num_splits, learnable_sink=sinks)
+                                  num_splits=case.num_splits, learnable_sink=sinks, rel_bias=rel_bias)
     assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v), "the in-place append"
     if not check:
         return
@@ -418,8 +491,10 @@ def _check_kvcache(case: Case, device, check: bool = True) -> None:
         rows = []
         for i, n in enumerate(case.lens_k):
             start, end = (0 if leftpad is None else case.leftpad[i]), n + case.s_new
+            # the row's keys are [start, end): relative positions (and masks) count from its leftpad
             rows.append(_naive_sequence(case, i, q[i : i + 1], k_cache[i : i + 1, start:end],
-                                        v_cache[i : i + 1, start:end], slopes, None, precision, sinks=sinks))
+                                        v_cache[i : i + 1, start:end], slopes, None, precision, sinks=sinks,
+                                        rel_bias=rel_bias))
         if precision == torch.float64:
             ref = torch.cat(rows)
         else:
@@ -506,7 +581,7 @@ def _broken_args(case: Case, device, rng: random.Random):
             match = rf"{name} must be contiguous"
         cu_q, cu_k = (cu, x.cu_k) if name == "cu_seqlens_q" else (x.cu_q, cu)
         return flash_attn_varlen_func, (x.q, x.k, x.v, cu_q, cu_k, max_q, max_k), dict(causal=case.causal), match
-    q, k_cache, v_cache, (k_new, v_new), seqlens, leftpad, _, _ = _cache_inputs(case, device)
+    q, k_cache, v_cache, (k_new, v_new), seqlens, leftpad, *_ = _cache_inputs(case, device)
     i = rng.randrange(case.b)
     kw = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, causal=case.causal)
     if c == "seqlens_over":
@@ -578,6 +653,31 @@ FAMILY_CASES = [
          causal=True),
     Case(kind="kvcache", dtype="bfloat16", h=8, hk=2, d=512, lens_q=(1,) * 3, lens_k=(300, 1, 77), s_cache=300,
          leftpad=(3, 1, 0), causal=True),
+    # The relative bias, its radius below the lengths (clamped columns, blocks saturated to one column) with
+    # seqlen_q != seqlen_k: the Hopper forward and backward (d64 / d128, also varlen with empty sequences); the
+    # mma.sync kernels at d64 / d96 / d128 with a window, dropout, ALiBi and sinks (a radius past every distance);
+    # the d > 128 backward (d256, d512); the decode kernel (and the forward kernel past 16 query rows) over ragged,
+    # left-padded caches with GQA, split counts auto / 3, an append, a window and sinks.
+    Case(kind="dense", dtype="bfloat16", h=4, hk=2, d=64, lens_q=(77, 77), lens_k=(150, 150), rel_bias=8),
+    Case(kind="dense", dtype="float16", h=4, hk=1, d=128, lens_q=(150, 150), lens_k=(77, 77), causal=True,
+         rel_bias=20),
+    Case(kind="varlen", dtype="bfloat16", h=4, hk=2, d=128, lens_q=(0, 5, 0, 130, 64), lens_k=(3, 5, 0, 77, 200),
+         causal=True, rel_bias=16),
+    Case(kind="dense", dtype="bfloat16", h=3, hk=3, d=96, lens_q=(77, 77), lens_k=(130, 130), window=(20, 3),
+         dropout=0.2, rel_bias=6),
+    Case(kind="dense", dtype="bfloat16", h=4, hk=2, d=128, lens_q=(100, 100), lens_k=(170, 170), window=(30, 5),
+         rel_bias=12),
+    Case(kind="varlen", dtype="float16", h=4, hk=2, d=64, lens_q=(0, 5, 129, 1), lens_k=(0, 9, 100, 1), causal=True,
+         alibi="h", sinks=True, rel_bias=300),
+    *(Case(kind="dense", dtype=dtype, h=4, hk=2, d=256, lens_q=(100, 100), lens_k=(170, 170), rel_bias=12, **extra)
+      for dtype, extra in (("bfloat16", {"causal": True}), ("float16", {"window": (40, 10), "dropout": 0.2}))),
+    Case(kind="varlen", dtype="bfloat16", h=2, hk=1, d=512, lens_q=(0, 5, 130, 64), lens_k=(0, 5, 70, 150),
+         causal=True, rel_bias=10),
+    *(Case(kind="kvcache", dtype="bfloat16", h=8, hk=2, d=d, lens_q=(sq,) * 3, lens_k=(300, 1, 77), s_cache=300,
+           leftpad=(3, 1, 0), causal=True, num_splits=splits, rel_bias=24)
+      for d in (64, 128, 256) for sq, splits in ((1, 0), (5, 3), (17, 0))),
+    Case(kind="kvcache", dtype="float16", h=8, hk=1, d=128, lens_q=(4,) * 3, lens_k=(300, 1, 77), s_cache=320,
+         s_new=3, leftpad=(3, 1, 0), window=(50, 0), sinks=True, num_splits=3, rel_bias=8),
 ]
 
 # Failing cases the fuzzer found, kept as regression tests (paste a failure's Case repr here).

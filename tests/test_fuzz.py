@@ -56,13 +56,17 @@ def test_fuzz_regressions(case):
     run_case(case, "cpu")
 
 
-@pytest.mark.parametrize("case", FAMILY_CASES, ids=lambda c: f"{c.kind}-d{c.d}")
+def _family_id(case):
+    return f"{case.kind}-d{case.d}" + (f"-rel{case.rel_bias}" if case.rel_bias >= 0 else "")
+
+
+@pytest.mark.parametrize("case", FAMILY_CASES, ids=_family_id)
 def test_family_cases(case):
     run_case(case, "cpu")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", FAMILY_CASES, ids=lambda c: f"{c.kind}-d{c.d}")
+@pytest.mark.parametrize("case", FAMILY_CASES, ids=_family_id)
 def test_family_cases_kernels(case):
     run_case(case, "cuda")
 

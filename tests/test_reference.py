@@ -275,3 +275,117 @@ def test_bad_sinks_raise(sinks, error, match):
         flash_attn_func(q, q, q, learnable_sink=sinks)
     with pytest.raises(error, match=match):
         flash_attn_with_kvcache(q, q.clone(), q.clone(), learnable_sink=sinks)
+
+
+# ------------------------------------------------------------------------------- relative position bias (T5)
+
+
+def _rel_bias_by_hand(q, k, v, table, causal):
+    """Dense attention with the documented rule written out per (query, key): the scaled logit of query i, key j
+    gets table[h, clamp(j - i - (sk - sq), -R, R) + R]."""
+    b, sq, h, d = q.shape
+    sk, r = k.shape[1], (table.shape[1] - 1) // 2
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(h // k.shape[2], dim=2)) * d**-0.5
+    bias = torch.empty(h, sq, sk, dtype=s.dtype)
+    for i in range(sq):
+        for j in range(sk):
+            bias[:, i, j] = table[:, min(max(j - i - (sk - sq), -r), r) + r]
+    s = s + bias
+    if causal:
+        s = s.masked_fill(torch.arange(sk)[None, :] > torch.arange(sq)[:, None] + sk - sq, -math.inf)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(h // k.shape[2], dim=2))
+
+
+@pytest.mark.parametrize("sq,sk,radius", [(5, 9, 2), (9, 5, 1), (6, 6, 0), (4, 7, 20)])
+def test_rel_bias_rule_by_hand(sq, sk, radius):
+    torch.manual_seed(4)
+    q, k, v, table = rand(2, sq, 4, 8), rand(2, sk, 2, 8), rand(2, sk, 2, 8), rand(4, 2 * radius + 1)
+    for causal in (False, True):
+        out = flash_attn_func(q, k, v, causal=causal, rel_bias=table)
+        assert_close(out, _rel_bias_by_hand(q, k, v, table, causal), 1e-10, f"out causal={causal}")
+        assert_close(naive_attention(q, k, v, causal=causal, rel_bias=table), out, 1e-10, "naive_attention")
+
+
+@pytest.mark.parametrize("b,sq,sk,h,hk,d,causal,window,softcap", [GRID[0], GRID[2], GRID[3], GRID[4], GRID[5], GRID[9]])
+@pytest.mark.parametrize("radius", [0, 6, 400])  # a per-head constant, clamped, past every distance
+def test_rel_bias_matches_naive_float64(b, sq, sk, h, hk, d, causal, window, softcap, radius):
+    """Forward and the gradients of q, k, v and the table (autograd of the reference, and reference.bwd, the
+    kernels' twin) against naive attention with the table."""
+    torch.manual_seed(1)
+    q, k, v = rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+    table = (2 * torch.randn(h, 2 * radius + 1, dtype=F64)).requires_grad_()
+    opts = dict(causal=causal, window_size=window)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, rel_bias=table, **opts)
+    ref = naive_attention(q, k, v, rel_bias=table, **opts)
+    assert_close(out, ref, 1e-10, "out")
+    if radius:
+        assert not torch.allclose(out, naive_attention(q, k, v, **opts))  # the bias matters
+    dout = torch.randn_like(out)
+    g_ref = grads(ref, (q, k, v, table), dout)
+    twin = reference.bwd(dout, q, k, v, out.detach(), lse, None, None, sq, sk, d**-0.5, causal, *window, 0.0, None,
+                         0.0, None, rel_bias=table.detach())
+    for name, g, gt, gr in zip(["q", "k", "v", "rel_bias"], grads(out, (q, k, v, table), dout), twin, g_ref):
+        tol = max(1.0, gr.abs().max().item())
+        assert_close(g, gr, 1e-9 * tol, f"d{name}")
+        assert_close(gt, gr, 2e-5 * tol, f"d{name} (reference.bwd)")  # P from the float32 LSE
+    if radius == 0 and window == (-1, -1) and not causal:
+        assert_close(g_ref[3], torch.zeros_like(g_ref[3]), 1e-9, "a constant bias cancels")
+
+
+@pytest.mark.parametrize("causal,window,hk,radius", [(True, (-1, -1), 2, 3), (False, (-1, -1), 4, 100),
+                                                     (True, (8, 0), 1, 5)])
+def test_rel_bias_varlen_matches_per_sequence(causal, window, hk, radius):
+    """Positions count within each sequence (empty ones included); d rel_bias sums over the sequences."""
+    torch.manual_seed(5)
+    batch, h, d = 5, 4, 16
+    cu_q, len_q = _random_cu_seqlens(batch, 40)
+    cu_k, len_k = _random_cu_seqlens(batch, 50)
+    q, k, v = rand(int(cu_q[-1]), h, d), rand(int(cu_k[-1]), hk, d), rand(int(cu_k[-1]), hk, d)
+    table = (2 * torch.randn(h, 2 * radius + 1, dtype=F64)).requires_grad_()
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, int(len_q.max()), int(len_k.max()), causal=causal,
+                                 window_size=window, rel_bias=table)
+    dout = torch.randn_like(out)
+    dq, dk, dv, dtable = grads(out, (q, k, v, table), dout)
+    dtable_ref = torch.zeros_like(dtable)
+    for i in range(batch):
+        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        if qs.stop == qs.start:
+            continue
+        args = [t[None].detach().requires_grad_() for t in (q[qs], k[ks], v[ks])] + [table.detach().requires_grad_()]
+        ref = naive_attention(*args[:3], causal=causal, window_size=window, rel_bias=args[3])
+        assert_close(out[qs], ref[0], 1e-10, f"out[seq {i}]")
+        g_ref = grads(ref, args, dout[qs][None])
+        for name, g, gr, sl in zip("qkv", (dq, dk, dv), g_ref, (qs, ks, ks)):
+            assert_close(g[sl], gr[0], 1e-9 * max(1.0, gr.abs().max().item() if gr.numel() else 1.0),
+                         f"d{name}[seq {i}]")
+        dtable_ref += g_ref[3]
+    assert_close(dtable, dtable_ref, 1e-9 * max(1.0, dtable_ref.abs().max().item()), "drel_bias")
+
+
+def test_kvcache_with_rel_bias():
+    """A row's keys are [cache_leftpad, end): its relative positions count from its left padding."""
+    torch.manual_seed(6)
+    b, s_cache, h, hk, d, radius = 3, 32, 4, 2, 16, 4
+    k_cache, v_cache = torch.randn(b, s_cache, hk, d, dtype=F64), torch.randn(b, s_cache, hk, d, dtype=F64)
+    q, table = torch.randn(b, 3, h, d, dtype=F64), torch.randn(h, 2 * radius + 1, dtype=F64)
+    k_new, v_new = torch.randn(b, 2, hk, d, dtype=F64), torch.randn(b, 2, hk, d, dtype=F64)
+    seqlens = torch.tensor([7, 0, 28], dtype=torch.int32)
+    leftpad = torch.tensor([2, 1, 9], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, cache_leftpad=leftpad,
+                                  causal=True, rel_bias=table)
+    for i in range(b):
+        lo, hi = int(leftpad[i]), int(seqlens[i]) + 2
+        ref = naive_attention(q[i:i + 1], k_cache[i:i + 1, lo:hi], v_cache[i:i + 1, lo:hi], causal=True,
+                              rel_bias=table)
+        assert_close(out[i:i + 1], ref, 1e-10, f"row {i}")
+
+
+def test_rel_bias_refuses_softcap():
+    q, table = torch.randn(1, 3, 4, 8), torch.zeros(4, 5)
+    with pytest.raises(ValueError, match="rel_bias cannot be combined with softcap"):
+        flash_attn_func(q, q, q, softcap=5.0, rel_bias=table)
+    with pytest.raises(ValueError, match="rel_bias cannot be combined with softcap"):
+        flash_attn_with_kvcache(q, q.clone(), q.clone(), softcap=5.0, rel_bias=table)
+    flash_attn_func(q, q, q, deterministic=True, rel_bias=table.requires_grad_()).sum().backward()  # fine on CPU
+    assert table.grad is not None
