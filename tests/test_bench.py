@@ -297,7 +297,8 @@ def test_kernel_cases_cover_the_grid():
     from hf_flash.bench import kernels
 
     full = kernels.cases(list(kernels.SETS), [64, 128], kernels.SEQLENS, kernels.LLAMA_SHAPES)
-    assert len(full) == 2 * 2 * 6 + 3 + 1 + 2 * 4 + 4
+    assert len(full) == 2 * 2 * 6 + 3 + 1 + 2 * 4 + 2 * 4 + 4
+    assert len({c.name for c in full}) == len(full)  # rows are keyed by case name
     assert [(c.d, c.heads) for c in full[-4:]] == [(256, 8), (512, 4), (256, 8), (512, 4)]
     assert all(c.batch * c.seqlen == kernels.TOKENS and c.heads * c.d == kernels.HIDDEN for c in full[:24])
     assert [c.name for c in full[24:28]] == ["llama 8x1k", "llama 2x4k", "llama 1x16k", "varlen 8 docs"]
@@ -305,13 +306,37 @@ def test_kernel_cases_cover_the_grid():
     assert (varlen.heads, varlen.kv_heads, min(varlen.docs), max(varlen.docs)) == (32, 8, 1, 5000)
     assert varlen.flops("bwd") == 2.5 * 4 * sum(n * n for n in varlen.docs) * 32 * 128 / 2
     plain, sinks = full[28:30]  # each sinks case follows the same shape without
-    assert (plain.name + kernels.SINKS, plain.sinks, sinks.sinks) == (sinks.name, False, True)
+    assert (plain.name + " +sinks", plain.sinks, sinks.sinks, sinks.rel_bias) == (sinks.name, False, True, False)
     assert plain.flops("fwd") == sinks.flops("fwd") == 4 * 8 * 1024**2 * 64 * 64 / 2
+    rel = full[36:44]  # T5's shapes, each beside its twin with the relative bias
+    assert [c.rel_bias for c in rel] == [False, True] * 4 and not any(c.sinks for c in rel)
+    assert all(b.name == a.name + " +rel_bias" and b.flops("bwd") == a.flops("bwd")
+               for a, b in zip(rel[::2], rel[1::2]))
+    assert [(c.batch, c.seqlen, c.heads, c.kv_heads, c.d, c.causal) for c in rel[::2]] == [
+        (32, 512, 12, 12, 64, False), (32, 512, 12, 12, 64, True), (4, 4096, 12, 12, 64, False),
+        (2, 4096, 32, 32, 128, True)]
+    assert rel[0].flops("fwd") == 4 * 32 * 512**2 * 12 * 64
     windowed = next(c for c in full if c.window == 128)
     assert windowed.flops("fwd") == 4 * (129 * 130 // 2 + 129 * (8192 - 129)) * 64 * 64  # rows 0..128 see i + 1 keys, later 129
     quick = kernels.cases(list(kernels.SETS), [64, 128], kernels.QUICK_SEQLENS, kernels.QUICK_LLAMA,
-                          kernels.QUICK_SINKS)
-    assert len(quick) == 2 * 2 * 2 + 1 + 1 + 2 + 4
+                          kernels.QUICK_SINKS, kernels.QUICK_REL_BIAS)
+    assert len(quick) == 2 * 2 * 2 + 1 + 1 + 2 + 2 + 4
+
+
+def test_kernel_backends_per_case():
+    """Which backend runs which case: SDPA has no sinks, windows or packed form (the last: an n/a row), FA4 no
+    relative bias, sdpa-flash no mask; SDPA's own pick only in the rel_bias pairs."""
+    from hf_flash.bench import kernels
+
+    ran = lambda case: [n for n in kernels.DEFAULT_BACKENDS if kernels.runs(n, case)]  # noqa: E731
+    by_name = {c.name: c for c in kernels.cases(list(kernels.SETS), [64], (512, 16384), kernels.LLAMA_SHAPES)}
+    assert ran(by_name["d64 full 512"]) == ["hf_flash", "fa4", "sdpa-cudnn", "sdpa-flash"]
+    assert ran(by_name["gpt-oss 8x1k"]) == ["hf_flash", "fa4", "sdpa-cudnn", "sdpa-flash"]
+    assert ran(by_name["gpt-oss 8x1k +sinks"]) == ran(by_name["gpt-oss 1x8k w128"]) == ["hf_flash", "fa4"]
+    assert ran(by_name["t5 enc 4x4k"]) == ["hf_flash", "fa4", "sdpa-cudnn", "sdpa-flash", "sdpa"]
+    assert ran(by_name["t5 enc 4x4k +rel_bias"]) == ["hf_flash", "sdpa-cudnn", "sdpa"]
+    assert not kernels.runs("sdpa-math", by_name["d64 full 16k"])
+    assert kernels.runs("sdpa-math", by_name["t5 enc 4x4k"])
 
 
 @pytest.mark.parametrize("mode", ["fwd", "bwd"])
@@ -333,6 +358,46 @@ def test_kernel_measurement_interleaves_and_reports_spread(on_cpu, no_fa4, mode)
     assert ours.tflops_min < ours.tflops < ours.tflops_max and ours.rounds == 3
 
 
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_kernel_measurement_of_a_rel_bias_pair(on_cpu, mode):
+    """Both twins of a rel_bias pair, each backend with the bias in its form: the table or SDPA's dense mask."""
+    from hf_flash.bench import kernels
+
+    names = ["hf_flash", "sdpa-math", "sdpa"]
+    plain, featured = kernels._twins("rel_bias", [kernels.Case("t5", 2, 16, 4, 4, 16, True)])
+    errors = {}
+    for case, expected in ((plain, names), (featured, names)):
+        timer = FakeTimer()
+        rows = kernels.measure_case(case, mode, [n for n in names if kernels.runs(n, case)], 2, timer,
+                                    torch.float32, errors)
+        assert [r.backend for r in rows] == expected and len(timer.batches) == 2 * len(expected)
+    assert errors == {}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_gets_the_relative_bias_as_hf_flash_applies_it(on_cpu, causal):
+    """SDPA's dense mask from the table: the same attention as hf_flash's table (its reference path here), and
+    the mask's gradient summed per table column is the table's."""
+    from hf_flash import reference
+    from hf_flash.bench import backends
+
+    q, k, v = (torch.randn(2, 19, 3, 8, dtype=torch.float64) for _ in range(3))
+    table = torch.randn(3, 2 * 5 + 1, dtype=torch.float64, requires_grad=True)  # R = 5 < 19: clamped distances
+    ours = backends.dense("hf_flash", causal)(q, k, v, rel_bias=backends.rel_bias_input("hf_flash", table, 19,
+                                                                                         causal, q.dtype))
+    mask = backends.rel_bias_input("sdpa-math", table, 19, causal, q.dtype)
+    assert mask.shape == (1, 3, 19, 19) and mask.is_leaf and mask.requires_grad
+    sdpa = backends.dense("sdpa-math", causal)(q, k, v, rel_bias=mask)
+    torch.testing.assert_close(sdpa, ours)
+    dout = torch.randn_like(ours)
+    (d_table,) = torch.autograd.grad(ours, table, dout)
+    (d_mask,) = torch.autograd.grad(sdpa, mask, dout)
+    pos = torch.arange(19)
+    index = reference.relative_positions(pos, pos, 19, 19, 5).expand_as(d_mask[0])
+    summed = torch.zeros_like(d_table).scatter_add_(1, index.flatten(1), d_mask[0].flatten(1))
+    torch.testing.assert_close(summed, d_table)
+
+
 def test_kernel_tables_and_ratio(tmp_path, monkeypatch):
     from hf_flash.bench import kernels
 
@@ -348,11 +413,25 @@ def test_kernel_tables_and_ratio(tmp_path, monkeypatch):
     assert table[2].split() == ["fwd", "a", "420", "380", "400", "1.050", "(cudnn)", "3.0%"]
     assert table[3].split() == ["fwd", "b", "300", "-", "-", "-", "3.0%"]
     assert "30 / 1000" in kernels.host_table(rows)
-    assert kernels.sink_costs(rows) == ""
-    pair = [row("g", "hf_flash", 1.0), row("g" + kernels.SINKS, "hf_flash", 1.0), row("g", "fa4", 1.0)]
+    assert kernels.feature_costs(rows) == ""
+    pair = [row("g", "hf_flash", 1.0), row("g +sinks", "hf_flash", 1.0), row("g", "fa4", 1.0),
+            row("g", "sdpa-cudnn", 1.0), row("h", "fa4", 1.0), row("h +sinks", "fa4", 1.0)]
     pair[1].gpu_ms = 1.08
-    costs = kernels.sink_costs(pair).splitlines()
-    assert costs[-1].split() == ["fwd", "g", "1000", "->", "1080", "µs", "(+8.0%)", "-"]  # fa4 ran one of the two
+    costs = kernels.feature_costs(pair).splitlines()
+    assert costs[0] == "learned sinks: GPU time without -> with"
+    assert costs[1].split() == ["case", "hf_flash", "fa4"]  # the backends that ran a case with sinks
+    assert costs[-2].split() == ["fwd", "g", "1000", "->", "1080", "µs", "(+8.0%)", "-"]  # fa4 ran one of the two
+    # Both features: a table each, with the backends of its own cases (fa4 has no relative bias)
+    pair += [row("t", "hf_flash", 1.0), row("t +rel_bias", "hf_flash", 1.0), row("t", "fa4", 1.0),
+             row("t", "sdpa", 1.0), row("t +rel_bias", "sdpa", 1.0)]
+    pair[7].gpu_ms, pair[10].gpu_ms = 1.05, 2.5
+    sinks_table, rel_table = kernels.feature_costs(pair).split("\n\n")
+    assert sinks_table.splitlines() == costs
+    rel_table = rel_table.splitlines()
+    assert rel_table[0] == "relative position bias (R = 128): GPU time without -> with"
+    assert rel_table[1].split() == ["case", "hf_flash", "sdpa"]
+    assert rel_table[-1].split() == ["fwd", "t", "1000", "->", "1050", "µs", "(+5.0%)", "1000", "->", "2500", "µs",
+                                     "(+150.0%)"]
     pytest.importorskip("matplotlib")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "H100")
     kernels.plot(rows, str(tmp_path / "kernels.png"))

@@ -1,12 +1,14 @@
 """The attention backends the kernel benchmarks compare, as callables on flash-attn layouts.
 
 hf_flash; FlashAttention-4 ("fa4", the CuTe-DSL ``flash_attn.cute``, a column whenever it imports); SDPA
-forced to one backend ("sdpa-cudnn", "sdpa-flash", ...; GQA through ``enable_gqa``, as transformers calls it).
+forced to one backend ("sdpa-cudnn", "sdpa-flash", ...) or left to pick its own ("sdpa"), GQA through
+``enable_gqa``, as transformers calls it.
 Dense tensors are ``(B, S, H, D)``, packed ones ``(total, H, D)``, KV caches ``(B, S_cache, H_k, D)``
 (hf_flash, FA4) or ``(B, H_k, S_cache, D)`` (SDPA, as transformers keeps them).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -14,6 +16,7 @@ import torch
 DEVICE = "cuda"  # the CPU tests run the measurement code on "cpu"
 FA4 = "fa4"
 SDPA = ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math")
+SDPA_DEFAULT = "sdpa"  # SDPA choosing its backend itself, as transformers calls it
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,9 +35,10 @@ def fa4_available() -> bool:
 
 def available(requested: list[str]) -> list[str]:
     """``requested`` without fa4 when FlashAttention-4 does not import; an unknown name is a ValueError."""
-    unknown = [b for b in requested if b not in ("hf_flash", FA4, *SDPA)]
+    unknown = [b for b in requested if b not in ("hf_flash", FA4, *SDPA, SDPA_DEFAULT)]
     if unknown:
-        raise ValueError(f"unknown backend(s) {unknown}; choose from hf_flash, {FA4}, {', '.join(SDPA)}")
+        raise ValueError(f"unknown backend(s) {unknown}; choose from hf_flash, {FA4}, {', '.join(SDPA)}, "
+                         f"{SDPA_DEFAULT}")
     return [b for b in requested if b != FA4 or fa4_available()]
 
 
@@ -45,40 +49,73 @@ def sdpa_backend(name: str):
             "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa-math": SDPBackend.MATH}[name]
 
 
+def _sdpa_context(name: str):
+    """Makes a context per call (sdpa_kernel's serves one ``with``) forcing SDPA backend ``name``, or none for
+    SDPA_DEFAULT; resolved here, once, so that the timed calls pay no lookup."""
+    if name == SDPA_DEFAULT:
+        return contextlib.nullcontext
+    from torch.nn.attention import sdpa_kernel
+
+    forced = sdpa_backend(name)
+    return lambda: sdpa_kernel(forced)
+
+
 def _first(out):
     """FA4 returns (out, lse) in some versions, out in others."""
     return out[0] if isinstance(out, tuple) else out
 
 
 def dense(backend: str, causal: bool, window: int = -1):
-    """f(q, k, v, sinks=None) -> out on (B, S, H, D); k/v may have fewer heads (GQA); ``window`` >= 0 limits
-    each query to that many earlier keys (causal sliding window); ``sinks`` are learned per-head logits
-    (gpt-oss). SDPA has neither (NotImplementedError)."""
+    """f(q, k, v, sinks=None, rel_bias=None) -> out on (B, S, H, D); k/v may have fewer heads (GQA); ``window``
+    >= 0 limits each query to that many earlier keys (causal sliding window); ``sinks`` are learned per-head
+    logits (gpt-oss); ``rel_bias`` is T5's relative position bias in the backend's form (``rel_bias_input``).
+    SDPA has no window or sinks, FA4 no relative bias (NotImplementedError)."""
     if backend == "hf_flash":
         from hf_flash import flash_attn_func
 
-        return lambda q, k, v, sinks=None: flash_attn_func(q, k, v, causal=causal, window_size=(window, -1),
-                                                           learnable_sink=sinks)
+        return lambda q, k, v, sinks=None, rel_bias=None: flash_attn_func(
+            q, k, v, causal=causal, window_size=(window, -1), learnable_sink=sinks, rel_bias=rel_bias)
     if backend == FA4:
         func = fa4()[0]
         extra = {"window_size": (window, None)} if window >= 0 else {}
-        return lambda q, k, v, sinks=None: _first(func(q, k, v, causal=causal, learnable_sink=sinks, **extra))
+
+        def fa4_dense(q, k, v, sinks=None, rel_bias=None):
+            if rel_bias is not None:
+                raise NotImplementedError(f"{FA4} has no relative position bias")
+            return _first(func(q, k, v, causal=causal, learnable_sink=sinks, **extra))
+
+        return fa4_dense
     if window >= 0:
         raise NotImplementedError(f"{backend}: no sliding window without a materialised mask")
-    from torch.nn.attention import sdpa_kernel
+    context = _sdpa_context(backend)
 
-    forced = sdpa_backend(backend)
-
-    def sdpa(q, k, v, sinks=None):
+    def sdpa(q, k, v, sinks=None, rel_bias=None):
         if sinks is not None:
             raise NotImplementedError(f"{backend} has no learned sinks")
-        with sdpa_kernel(forced):
+        with context():  # the mask holds the causal one: SDPA refuses is_causal with a mask
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
-                enable_gqa=k.shape[2] != q.shape[2])
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=rel_bias,
+                is_causal=causal and rel_bias is None, enable_gqa=k.shape[2] != q.shape[2])
         return out.transpose(1, 2)
 
     return sdpa
+
+
+def rel_bias_input(backend: str, table: torch.Tensor, seqlen: int, causal: bool, dtype) -> torch.Tensor:
+    """T5's relative position bias, a float32 table (H, 2R+1), in the form ``backend``'s ``rel_bias`` takes for
+    (seqlen x seqlen) attention: hf_flash the table itself; SDPA the additive mask transformers passes it for T5,
+    materialised once (T5 computes it in its first layer for every layer): ``table[h, clamp(j - i, -R, R) + R]``
+    as a (1, H, S, S) leaf in q's ``dtype`` requiring grad, ``finfo.min`` above the diagonal when causal."""
+    if backend == "hf_flash":
+        return table
+    from hf_flash import reference
+
+    pos = torch.arange(seqlen, device=table.device)
+    index = reference.relative_positions(pos, pos, seqlen, seqlen, (table.shape[1] - 1) // 2)
+    bias = reference.rel_bias_terms(table.detach(), index).to(dtype)
+    if causal:
+        bias = bias.masked_fill(pos[None, :] > pos[:, None], torch.finfo(dtype).min)
+    return bias.requires_grad_()
 
 
 def varlen(backend: str, causal: bool, cu_seqlens: torch.Tensor, max_seqlen: int):
@@ -111,15 +148,13 @@ def decode(backend: str, batch: int, cache_len: int, heads: int, kv_heads: int, 
             return lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True)
         func = fa4()[1]
         return lambda: _first(func(q, k, v, seqused_k=seqlens, causal=True))
-    from torch.nn.attention import sdpa_kernel
-
-    forced = sdpa_backend(backend)
     q = torch.randn(batch, heads, 1, d, **kw)
     k, v = (torch.randn(batch, kv_heads, cache_len, d, **kw) for _ in range(2))
     mask = torch.ones(batch, 1, 1, cache_len, dtype=torch.bool, device=DEVICE)
+    context = _sdpa_context(backend)
 
     def sdpa(attn_mask):
-        with sdpa_kernel(forced):
+        with context():
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
                                                                     enable_gqa=kv_heads != heads)
 

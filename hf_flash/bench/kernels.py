@@ -3,10 +3,16 @@ SDPA-flash, on the same tensors in one process.
 
 Cases: the FlashAttention paper grid (B*S = 16k tokens, H*D = 2048, d in {64, 128}, causal and not,
 S = 512..16k), the Llama GQA 32/8 d128 causal shapes 8 x 1024, 2 x 4096, 1 x 16384, a packed varlen
-batch of 8 causal documents of 1..5000 tokens (GQA 32/8, d128; SDPA has no packed form), and learned sinks
-(gpt-oss's d64 GQA 64/8 causal layers, full and 128-key windowed, and a d128 shape), each case beside the same
-shape without sinks: the sinks' cost is printed as a table of its own (SDPA has no sinks or windows), and head
-dim 512 (Gemma 4's global layers) beside d256 at S = 4k.
+batch of 8 causal documents of 1..5000 tokens (GQA 32/8, d128; SDPA has no packed form), learned sinks
+(gpt-oss's d64 GQA 64/8 causal layers, full and 128-key windowed, and a d128 shape; SDPA has no sinks or
+windows), T5's relative position bias with R = 128, T5's max_distance (flan-t5-base's d64 12-head encoder and
+decoder self-attention at 32 x 512, a 4 x 4k encoder and a d128 32-head causal 2 x 4k shape: hf_flash with its
+float32 (H, 2R+1) table, SDPA as transformers calls it for T5, cuDNN and its own pick ("sdpa"), with the bias
+materialised as a dense (1, H, S, S) mask in q's dtype (the causal mask folded in) outside the timed calls, as T5
+builds it once for all its layers; FA4 only without: it has no relative bias), and head dim 512 (Gemma 4's
+global layers) beside d256 at S = 4k. Each sinks and rel_bias case runs beside the same shape without the feature
+(its twin, named without the " +sinks" / " +rel_bias" suffix, with the same FLOPs); each feature's cost is printed
+as a table of its own (GPU time without -> with, per backend).
 FLOPs = 4*B*S^2*H*D (sum over documents when packed; halved when causal; the visible keys when windowed);
 backward 2.5x, forward+backward 3.5x.
 Inputs have ``requires_grad=True`` for every pass, as in training; the backward is
@@ -24,7 +30,7 @@ import csv
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -42,12 +48,21 @@ VARLEN_DOCS = (1, 300, 1000, 1700, 2500, 3300, 4200, 5000)  # tokens per packed 
 SINK_SHAPES = (("gpt-oss 8x1k", 8, 1024, 64, 8, 64, -1), ("gpt-oss 1x8k", 1, 8192, 64, 8, 64, -1),
                ("gpt-oss 1x8k w128", 1, 8192, 64, 8, 64, 128), ("d128 2x4k", 2, 4096, 32, 8, 128, -1))
 QUICK_SINKS = SINK_SHAPES[:1]
-SINKS = " +sinks"  # the suffix naming a case's learned-sinks twin
+# (name, batch, seqlen, heads, kv_heads, d, causal): flan-t5-base's encoder and decoder self-attention, a long
+# encoder, and a d128 decoder (names unlike the sinks' twins: rows are keyed by name)
+REL_BIAS_SHAPES = (("t5-base enc 32x512", 32, 512, 12, 12, 64, False),
+                   ("t5-base dec 32x512", 32, 512, 12, 12, 64, True),
+                   ("t5 enc 4x4k", 4, 4096, 12, 12, 64, False), ("t5 d128 dec 2x4k", 2, 4096, 32, 32, 128, True))
+QUICK_REL_BIAS = REL_BIAS_SHAPES[:1]
+REL_BIAS_RADIUS = 128  # T5's max_distance: every distance past it reads the table's last column
+# The features measured beside their twin without ("<twin> +<feature>"), and their cost tables' titles
+FEATURES = {"sinks": "learned sinks", "rel_bias": f"relative position bias (R = {REL_BIAS_RADIUS})"}
+TWIN = " +"
 LARGE_D = (256, 512)  # head dims of the "d512" set: Gemma 4's global layers against the largest other kernel
-SETS = ("grid", "llama", "varlen", "sinks", "d512")
+SETS = ("grid", "llama", "varlen", *FEATURES, "d512")
 MODES = ("fwd", "bwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
-DEFAULT_BACKENDS = ("hf_flash", B.FA4, "sdpa-cudnn", "sdpa-flash")
+DEFAULT_BACKENDS = ("hf_flash", B.FA4, "sdpa-cudnn", "sdpa-flash", B.SDPA_DEFAULT)
 BASELINES = (B.FA4, "sdpa-cudnn")  # the ratio column and plot: hf_flash / the best of these
 MATH_MAX_SEQLEN = 4096  # the math backend materialises B*H*S^2 scores
 TARGET_MS, MAX_CALLS = 20.0, 32  # per backend and round: ~20 ms of calls, at most 32 (launch queue depth)
@@ -64,7 +79,16 @@ class Case:
     causal: bool
     docs: tuple = ()  # packed document lengths; empty = dense
     window: int = -1  # causal sliding window: each query sees itself and this many earlier keys
-    sinks: bool = False  # learned per-head sinks (gpt-oss)
+    feature: str = ""  # a key of FEATURES: this case is one of a pair measured with and without it
+    featured: bool = False  # the twin with the feature (named "<twin> +<feature>")
+
+    @property
+    def sinks(self) -> bool:  # learned per-head sinks (gpt-oss)
+        return self.featured and self.feature == "sinks"
+
+    @property
+    def rel_bias(self) -> bool:  # T5's relative position bias, radius REL_BIAS_RADIUS
+        return self.featured and self.feature == "rel_bias"
 
     def flops(self, mode: str) -> float:
         if self.window >= 0:
@@ -102,8 +126,14 @@ def _size(s: int) -> str:
     return f"{s // 1024}k" if s % 1024 == 0 else str(s)
 
 
-def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple, sinks: tuple = SINK_SHAPES
-          ) -> list[Case]:
+def _twins(feature: str, plain: list[Case]) -> list[Case]:
+    """Each case, then its twin with ``feature``: the same shape (and FLOPs), named "<name> +<feature>"."""
+    return [c for p in plain for c in (replace(p, feature=feature),
+                                       replace(p, name=p.name + TWIN + feature, feature=feature, featured=True))]
+
+
+def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple, sinks: tuple = SINK_SHAPES,
+          rel_bias: tuple = REL_BIAS_SHAPES) -> list[Case]:
     out = []
     if "grid" in sets:
         out += [Case(f"d{d} {'causal' if c else 'full'} {_size(s)}", TOKENS // s, s, HIDDEN // d, HIDDEN // d, d, c)
@@ -114,8 +144,9 @@ def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple, s
         out.append(Case(f"varlen {len(VARLEN_DOCS)} docs", len(VARLEN_DOCS), max(VARLEN_DOCS), 32, 8, 128, True,
                         VARLEN_DOCS))
     if "sinks" in sets:
-        out += [Case(name + suffix, b, s, h, hk, d, True, window=w, sinks=bool(suffix))
-                for name, b, s, h, hk, d, w in sinks for suffix in ("", SINKS)]
+        out += _twins("sinks", [Case(name, b, s, h, hk, d, True, window=w) for name, b, s, h, hk, d, w in sinks])
+    if "rel_bias" in sets:
+        out += _twins("rel_bias", [Case(name, b, s, h, hk, d, c) for name, b, s, h, hk, d, c in rel_bias])
     if "d512" in sets:  # same tokens and H*D as the grid, S = 4k
         out += [Case(f"d{d} {'causal' if c else 'full'} 4k", TOKENS // 4096, 4096, HIDDEN // d, HIDDEN // d, d, c)
                 for c in (False, True) for d in LARGE_D]
@@ -125,12 +156,14 @@ def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple, s
 def add_arguments(parser) -> None:
     parser.add_argument("--mode", default="fwd,bwd", help="comma list of fwd, bwd, fwdbwd")
     parser.add_argument("--quick", action="store_true",
-                        help=f"S in {QUICK_SEQLENS}, Llama 8x1024, the packed batch and one sinks pair only")
+                        help=f"S in {QUICK_SEQLENS}, Llama 8x1024, the packed batch and one sinks and one "
+                             f"rel_bias pair only")
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma list of {', '.join(SETS)}")
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlens", default="", help="comma list overriding the grid's S")
     parser.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
-                        help=f"comma list of hf_flash, {B.FA4}, {', '.join(B.SDPA)} ({B.FA4} when it imports)")
+                        help=f"comma list of hf_flash, {B.FA4}, {', '.join(B.SDPA)}, {B.SDPA_DEFAULT} ({B.FA4} "
+                             f"when it imports; {B.SDPA_DEFAULT}, SDPA's own pick, in the rel_bias pairs only)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (median, spread)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--out", default="bench_out", help="directory for kernels.csv / kernels.png")
@@ -141,15 +174,27 @@ def split(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _inputs(case: Case, dtype) -> tuple:
-    """The leaves requiring grad: q, k, v, and the sinks (float32, as gpt-oss keeps them) when the case has them."""
+def _inputs(case: Case, dtype) -> dict:
+    """The leaves requiring grad, by argument name: q, k, v, and the sinks (float32, as gpt-oss keeps them) or the
+    relative bias table (float32 (H, 2R+1)) when the case has them."""
     kw = {"device": B.DEVICE, "dtype": dtype, "requires_grad": True}
     lead = (sum(case.docs),) if case.docs else (case.batch, case.seqlen)
     q = torch.randn(*lead, case.heads, case.d, **kw)
     k, v = (torch.randn(*lead, case.kv_heads, case.d, **kw) for _ in range(2))
-    if not case.sinks:
-        return q, k, v
-    return q, k, v, torch.randn(case.heads, device=B.DEVICE, requires_grad=True)
+    inputs = {"q": q, "k": k, "v": v}
+    if case.sinks:
+        inputs["sinks"] = torch.randn(case.heads, device=B.DEVICE, requires_grad=True)
+    if case.rel_bias:
+        inputs["rel_bias"] = torch.randn(case.heads, 2 * REL_BIAS_RADIUS + 1, device=B.DEVICE, requires_grad=True)
+    return inputs
+
+
+def _backend_inputs(name: str, case: Case, inputs: dict) -> dict:
+    """``inputs`` as backend ``name`` takes them: the relative bias in its form (``backends.rel_bias_input``)."""
+    if not case.rel_bias:
+        return inputs
+    return {**inputs, "rel_bias": B.rel_bias_input(name, inputs["rel_bias"], case.seqlen, case.causal,
+                                                       inputs["q"].dtype)}
 
 
 def _attention(backend: str, case: Case):
@@ -159,25 +204,40 @@ def _attention(backend: str, case: Case):
     return B.varlen(backend, case.causal, cu, max(case.docs))
 
 
-def _call(mode: str, attn, inputs: tuple, dout):
-    """The zero-argument call timed for ``mode``."""
+def _call(mode: str, attn, inputs: dict, dout):
+    """The zero-argument call timed for ``mode``; the gradients are those of every input."""
+    leaves = list(inputs.values())
     if mode == "fwd":
-        return lambda: attn(*inputs)
+        return lambda: attn(**inputs)
     if mode == "bwd":
-        out = attn(*inputs)
-        return lambda: torch.autograd.grad(out, inputs, dout, retain_graph=True)
-    return lambda: torch.autograd.grad(attn(*inputs), inputs, dout)
+        out = attn(**inputs)
+        return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    return lambda: torch.autograd.grad(attn(**inputs), leaves, dout)
+
+
+def runs(name: str, case: Case) -> bool:
+    """Whether backend ``name`` is measured on ``case``: sdpa-math materialises B*H*S^2 scores (up to
+    MATH_MAX_SEQLEN); SDPA has no sinks or windows, and sdpa-flash takes no mask; FA4 has no relative bias;
+    SDPA's own pick (what transformers runs) is measured in the rel_bias pairs, where it picks by the mask,
+    and nowhere else: without a mask it picks one of the forced columns."""
+    if name == "sdpa-math" and case.seqlen > MATH_MAX_SEQLEN:
+        return False
+    if name in (*B.SDPA, B.SDPA_DEFAULT) and (case.sinks or case.window >= 0):
+        return False
+    if name == B.SDPA_DEFAULT and case.feature != "rel_bias":
+        return False
+    return not (case.rel_bias and name in (B.FA4, "sdpa-flash"))
 
 
 def measure_case(case: Case, mode: str, names: list[str], rounds: int, timer: CallTimer, dtype,
                  errors: dict) -> list[Row]:
     """Every backend on one case and pass, the backends taking turns in each round."""
     inputs = _inputs(case, dtype)
-    dout = torch.randn_like(inputs[0])
+    dout = torch.randn_like(inputs["q"])
     fns, sizes = {}, {}
     for name in names:
         try:
-            fn = _call(mode, _attention(name, case), inputs, dout)
+            fn = _call(mode, _attention(name, case), _backend_inputs(name, case, inputs), dout)
             sizes[name] = list(timer.warm_up(fn, TARGET_MS, MAX_CALLS))
             fns[name] = fn
         except Exception as e:  # noqa: BLE001  (the backend refuses the shape, or is absent)
@@ -292,20 +352,27 @@ def summary(rows: list[Row]) -> str:
     return _table(["case", "hf_flash TFLOP/s", "fa4", "cudnn", "ratio vs best", "spread"], lines)
 
 
-def sink_costs(rows: list[Row]) -> str:
-    """GPU time with learned sinks over the same case without, per backend that ran both (the target: +10%
-    at most)."""
+def feature_costs(rows: list[Row]) -> str:
+    """Per feature (FEATURES), GPU time of each featured case over its twin without, one column per backend that
+    ran a case with the feature (a cell needs both twins; the sinks' target: +10% at most). One table per
+    feature measured."""
     by = {(r.mode, r.case, r.backend): r for r in rows}
-    names = [b for b in ("hf_flash", B.FA4) if any(r.backend == b for r in rows)]
-    lines = []
-    for mode, case in dict.fromkeys((r.mode, r.case) for r in rows):
-        if not case.endswith(SINKS):
+    tables = []
+    for feature, title in FEATURES.items():
+        suffix = TWIN + feature
+        pairs = [(mode, case[: -len(suffix)], case) for mode, case in dict.fromkeys((r.mode, r.case) for r in rows)
+                 if case.endswith(suffix)]
+        if not pairs:
             continue
-        plain = case[: -len(SINKS)]
-        cells = [(by.get((mode, plain, b)), by.get((mode, case, b))) for b in names]
-        lines.append([f"{mode} {plain}", *(f"{w.gpu_ms * 1e3:.0f} -> {s.gpu_ms * 1e3:.0f} µs ({s.gpu_ms / w.gpu_ms - 1:+.1%})"
-                                            if w and s else "-" for w, s in cells)])
-    return "learned sinks: GPU time without -> with\n" + _table(["case", *names], lines) if lines else ""
+        names = list(dict.fromkeys(r.backend for r in rows if r.case.endswith(suffix)))
+        lines = []
+        for mode, plain, case in pairs:
+            cells = [(by.get((mode, plain, b)), by.get((mode, case, b))) for b in names]
+            lines.append([f"{mode} {plain}", *(f"{w.gpu_ms * 1e3:.0f} -> {s.gpu_ms * 1e3:.0f} µs "
+                                                f"({s.gpu_ms / w.gpu_ms - 1:+.1%})" if w and s else "-"
+                                                for w, s in cells)])
+        tables.append(f"{title}: GPU time without -> with\n" + _table(["case", *names], lines))
+    return "\n\n".join(tables)
 
 
 def record(args, rows: list[Row]) -> None:
@@ -340,14 +407,12 @@ def run(args) -> None:
         print(f"fa4 column left out: flash_attn.cute does not import ({B.fa4()[2]})", file=sys.stderr)
     seqlens = tuple(int(s) for s in split(args.seqlens)) or (QUICK_SEQLENS if args.quick else SEQLENS)
     grid = cases(sets, [int(d) for d in split(args.head_dims)], seqlens, QUICK_LLAMA if args.quick else LLAMA_SHAPES,
-                 QUICK_SINKS if args.quick else SINK_SHAPES)
+                 QUICK_SINKS if args.quick else SINK_SHAPES, QUICK_REL_BIAS if args.quick else REL_BIAS_SHAPES)
     timer = CallTimer()
     rows, errors, env = [], {}, results.environment()
     for case in tqdm(grid, desc="kernels", unit="case"):
         for mode in modes:
-            eligible = [n for n in names if not (n == "sdpa-math" and case.seqlen > MATH_MAX_SEQLEN)
-                        and not (n in B.SDPA and (case.sinks or case.window >= 0))]  # SDPA has neither
-            rows += measure_case(case, mode, eligible, args.rounds, timer, dtype, errors)
+            rows += measure_case(case, mode, [n for n in names if runs(n, case)], args.rounds, timer, dtype, errors)
         env = write_csv(rows, args.out, "kernels.csv")  # after every case: a cut-off run keeps what it measured
     plot(rows, os.path.join(args.out, "kernels.png"))
     record(args, rows)
@@ -355,5 +420,5 @@ def run(args) -> None:
     for (mode, case, name), why in errors.items():
         print(f"n/a: {mode} {case} {name}: {why}")
     print(host_table(rows))
-    print(sink_costs(rows))
+    print(feature_costs(rows))
     print(summary(rows))
