@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include "flash.h"
 
@@ -88,13 +89,18 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bo
 }
 
 // A launch's status as an exception; a kernel whose tiles need more shared memory than this GPU has
-// (allow_smem in flash.h) gets a message naming the head dim rather than a CUDA error code.
-void check_launch(cudaError_t err, const at::Tensor& q) {
+// (allow_smem in flash.h) gets a message naming the head dim (and the rel_bias radius, whose d rel_bias sums the
+// backward keeps in shared memory) rather than a CUDA error code.
+void check_launch(cudaError_t err, const at::Tensor& q, const FwdParams* p = nullptr) {
   if (err == cudaErrorLaunchOutOfResources) {
     const auto* props = at::cuda::getDeviceProperties(q.get_device());
-    TORCH_CHECK_VALUE(false, "hf_flash: head_dim ", q.size(-1), " needs more shared memory per block than this GPU (",
-                      props->name, ") has (", props->sharedMemPerBlockOptin / 1024,
-                      " KB); use a smaller head dim or a GPU with more (Hopper: 227 KB)");
+    const bool rel = p && p->rel_bias;
+    TORCH_CHECK_VALUE(false, "hf_flash: head_dim ", q.size(-1),
+                      rel ? " with a rel_bias of radius " + std::to_string(p->rel_bias_radius) : std::string(),
+                      " needs more shared memory per block than this GPU (", props->name, ") has (",
+                      props->sharedMemPerBlockOptin / 1024, " KB); use a smaller ",
+                      rel ? "rel_bias radius (T5's is its max_distance, 128)" : "head dim",
+                      " or a GPU with more (Hopper: 227 KB)");
   }
   C10_CUDA_CHECK(err);
 }
@@ -118,7 +124,9 @@ at::Tensor sinks_for_kernel(const c10::optional<at::Tensor>& sinks, const at::Te
 }
 
 // A relative position bias table as the kernels read it: float32, contiguous (heads, 2R + 1); undefined without.
-// Sets p.rel_bias / rel_bias_radius; the returned tensor must outlive the launch.
+// Columns no (row, key) pair can reach are cut off: distances lie within the longest sequence, so a radius past it
+// changes nothing but the backward's shared memory. Sets p.rel_bias / rel_bias_radius (after fill_common); the
+// returned tensor must outlive the launch.
 at::Tensor rel_bias_for_kernel(FwdParams& p, const c10::optional<at::Tensor>& rel_bias, const at::Tensor& q,
                                double softcap) {
   if (!rel_bias.has_value()) return at::Tensor();
@@ -127,9 +135,10 @@ at::Tensor rel_bias_for_kernel(FwdParams& p, const c10::optional<at::Tensor>& re
                     "hf_flash: rel_bias must be a (heads, 2 * radius + 1) tensor on q's device");
   TORCH_CHECK_TYPE(rel_bias->is_floating_point(), "hf_flash: rel_bias must be a floating-point tensor");
   TORCH_CHECK_VALUE(softcap <= 0, "hf_flash: rel_bias cannot be combined with softcap > 0");
-  at::Tensor table = rel_bias->to(at::kFloat).contiguous();
+  const int64_t radius = rel_bias->size(1) / 2, reach = std::min<int64_t>(radius, std::max(p.seqlen_q, p.seqlen_k));
+  at::Tensor table = rel_bias->narrow(1, radius - reach, 2 * reach + 1).to(at::kFloat).contiguous();
   p.rel_bias = table.data_ptr<float>();
-  p.rel_bias_radius = int(table.size(1) / 2);
+  p.rel_bias_radius = int(reach);
   return table;
 }
 
@@ -240,7 +249,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(
 #ifdef HF_FLASH_DISABLE_FORWARD
   TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_FORWARD=1");
 #else
-  check_launch(run_fwd(p, at::cuda::getCurrentCUDAStream()), q);
+  check_launch(run_fwd(p, at::cuda::getCurrentCUDAStream()), q, &p);
 #endif
   return {o.finish(), lse};
 }
@@ -287,7 +296,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
 #else
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (!decode) {
-    check_launch(run_fwd(p, stream), q);
+    check_launch(run_fwd(p, stream), q, &p);
     return {o.finish(), lse};
   }
   p.num_splits = num_splits > 0 ? int(std::min<int64_t>(num_splits, kDecodeMaxSplits)) : decode_num_splits(p);
@@ -299,7 +308,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
     p.o_accum = o_accum.data_ptr<float>();
     p.lse_accum = lse_accum.data_ptr<float>();
   }
-  check_launch(run_decode(p, stream), q);
+  check_launch(run_decode(p, stream), q, &p);
 #endif
   return {o.finish(), lse};
 }
@@ -355,7 +364,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   p.sinks = sink.defined() ? sink.data_ptr<float>() : nullptr;
   p.dsinks = sink.defined() ? dsinks.data_ptr<float>() : nullptr;
   const at::Tensor rel = rel_bias_for_kernel(p, rel_bias, q, softcap);
-  p.drel_bias = rel.defined() ? drel.data_ptr<float>() : nullptr;
+  // The kernels' d rel_bias covers the columns they read (rel_bias_for_kernel); the rest of drel is zero.
+  const at::Tensor drel_kernel = !rel.defined() || rel.size(1) == drel.size(1) ? drel : at::empty_like(rel);
+  p.drel_bias = rel.defined() ? drel_kernel.data_ptr<float>() : nullptr;
   if (p.seqlen_q == 0 || p.seqlen_k == 0) {
     return {dq.out.zero_(), dk.out.zero_(), dv.out.zero_(), dsinks.zero_(), drel.zero_()};
   }
@@ -364,7 +375,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
 #else
   auto workspace = at::empty({int64_t(bwd_workspace_bytes(p))}, q.options().dtype(at::kByte));
   p.workspace = workspace.data_ptr();
-  check_launch(run_bwd(p, at::cuda::getCurrentCUDAStream()), q);
+  check_launch(run_bwd(p, at::cuda::getCurrentCUDAStream()), q, &p);
+  if (!drel_kernel.is_same(drel)) {
+    drel.zero_().narrow(1, (drel.size(1) - drel_kernel.size(1)) / 2, drel_kernel.size(1)).copy_(drel_kernel);
+  }
 #endif
   return {dq.finish(), dk.finish(), dv.finish(), dsinks, drel};
 }

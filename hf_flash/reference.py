@@ -307,8 +307,8 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     differentiates fwd with autograd."""
     args = (softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
     lq, lk, batch = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, None, args, rel_bias)
-    if cu_seqlens_q is not None:  # (H, T) -> (B, H, S)
-        lse = lq.pad(lse.T[..., None])[..., 0]
+    if cu_seqlens_q is not None:  # (H, T) -> (B, H, S); padded rows +inf, so their P is 0 whatever the bias
+        lse = lq.pad(lse.T[..., None])[..., 0].masked_fill(~lq.valid[:, None, :], math.inf)
     dq, dk, dv, drel = batch.backward(lq.pad(out), lq.pad(dout), lse.to(batch.q.dtype))
     grads = (lq.unpad(dq, q), lk.unpad(dk, k), lk.unpad(dv, v))
     return grads if rel_bias is None else (*grads, drel.to(rel_bias.dtype))

@@ -106,19 +106,25 @@ def _local_forward(self, hidden_states, mask=None, position_bias=None, output_at
 def apply_hf_flash_to_t5(model=None):
     if not applies() or model is None:
         return 0
+    from transformers import PreTrainedModel
+
+    # T5's stacks carry configs of their own (copies of the model's), and each attention module looks its attention
+    # function up in its stack's: the patch follows the same config
+    stacks = {p: m.config for p, m in model.named_modules() if isinstance(m, PreTrainedModel)}
     n = 0
     for path, module in model.named_modules():
         name = type(module).__name__
+        config = stacks[max((p for p in stacks if p == "" or path.startswith(p + ".")), key=len)]
         if name in ATTENTION_CLASSES and path.endswith("SelfAttention") and module.is_decoder:
             # transformers 5.17 builds UMT5's decoder self-attention with is_causal=False (eager is causal through its
             # 4-D mask; sdpa leaks future tokens there); the flash path reads is_causal
             module.is_causal = True
         if name in ATTENTION_CLASSES:
-            bind(module, "compute_bias", _compute_bias, model.config)
+            bind(module, "compute_bias", _compute_bias, config)
             if name in EXTENDED_MASK_CLASSES:
-                bind(module, "forward", _padding_mask_forward, model.config)
+                bind(module, "forward", _padding_mask_forward, config)
         elif name == LOCAL_CLASS:
-            bind(module, "forward", _local_forward, model.config)
+            bind(module, "forward", _local_forward, config)
         else:
             continue
         setattr(module, MARK, True)

@@ -17,12 +17,13 @@ import hf_flash  # noqa: E402
 from hf_flash.patches import UnsupportedModelError, t5  # noqa: E402
 
 
-def _t5_small(dtype=torch.float32, **overrides):
+def _t5_small(dtype=torch.float32, impl="eager", **overrides):
     """t5-small's real config (T5Config's defaults: 6 + 6 layers, d_model 512, 8 heads of 64, 32 buckets, max
-    distance 128), random init; the relative bias scaled up so that it shapes every row."""
+    distance 128), random init (the same weights for every implementation); the relative bias scaled up so that
+    it shapes every row."""
     config = transformers.T5Config(decoder_start_token_id=0, **overrides)  # t5-small's (the pad token)
     torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(config).to(dtype).eval()
+    model = transformers.T5ForConditionalGeneration._from_config(config, attn_implementation=impl).to(dtype).eval()
     with torch.no_grad():
         for m in model.modules():
             if getattr(m, "has_relative_attention_bias", False):
@@ -72,10 +73,8 @@ def test_greedy_generate_matches_eager(cache, kernel_calls):
     ids, mask = _enc_dec_inputs(32128)
     kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, disable_compile=True,
                   **({"cache_implementation": "static"} if cache == "static" else {}))
-    model = _t5_small()
-    ref = model.generate(ids, attention_mask=mask, **kwargs)
-    model.set_attn_implementation("hf_flash")
-    ours = model.generate(ids, attention_mask=mask, **kwargs)
+    ref = _t5_small().generate(ids, attention_mask=mask, **kwargs)
+    ours = _t5_small(impl="hf_flash").generate(ids, attention_mask=mask, **kwargs)
     assert kernel_calls["fwd"] >= 6 + 11 * 12  # encoder layers, decoder self- and cross-attention every step
     assert torch.equal(ours, ref)
 
@@ -87,8 +86,7 @@ def test_training_step_matches_eager(kernel_calls):
     labels = torch.randint(3, 32128, (3, 9), generator=torch.Generator().manual_seed(2))
     grads = {}
     for impl in ("eager", "hf_flash"):
-        model = _t5_small(num_layers=2, num_decoder_layers=2)
-        model.set_attn_implementation(impl)
+        model = _t5_small(impl=impl, num_layers=2, num_decoder_layers=2)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         grads[impl] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()
@@ -146,8 +144,7 @@ def test_gpu_generate_and_logits_near_eager(dtype):
     """t5-small's real config in half precision on the kernels: teacher-forced logits as close to fp32 eager as
     eager in the same dtype is, and greedy tokens that are greedy under fp32 eager."""
     ids, mask = (t.cuda() for t in _enc_dec_inputs(32128))
-    model = _t5_small(dtype).cuda()
-    model.set_attn_implementation("hf_flash")
+    model = _t5_small(dtype, "hf_flash").cuda()
     out = model.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False,
                          disable_compile=True)
     ref_model = _t5_small(torch.float32).cuda()
@@ -173,8 +170,7 @@ def test_gpu_training_gradients_near_eager():
     grads = {}
     for name, dtype, impl in (("ref", torch.float32, "eager"), ("same", torch.bfloat16, "eager"),
                               ("ours", torch.bfloat16, "hf_flash")):
-        model = _t5_small(dtype, num_layers=2, num_decoder_layers=2).cuda()
-        model.set_attn_implementation(impl)
+        model = _t5_small(dtype, impl, num_layers=2, num_decoder_layers=2).cuda()
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
         grads[name] = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
     assert sum("relative_attention_bias" in n for n in grads["ours"]) == 2
