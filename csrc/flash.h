@@ -101,6 +101,9 @@ struct BwdParams : FwdParams {
   float* __restrict__ dsinks;
   // Like rel_bias, float32: d loss / d rel_bias, zeroed by the caller and accumulated with atomics (set with rel_bias).
   float* __restrict__ drel_bias;
+  // The kernels add d rel_bias straight into drel_bias instead of per-CTA shared-memory sums (the launchers set it
+  // where those sums do not fit next to the tiles: bwd::rel_bias_smem).
+  bool rel_bias_in_gmem;
 
   // Workspace owned by the caller (sizes from bwd_workspace_bytes()).
   void* workspace;
@@ -186,14 +189,20 @@ struct RelBias {
 // Lets `kernel` take `bytes` of dynamic shared memory (above 48 KB a kernel must opt in). A device with less
 // (d512 on an A100, d256's backward on an sm_86/89 GPU) gets cudaErrorLaunchOutOfResources before any CUDA call
 // could leave a sticky last error; the binding turns it into a message naming the head dim.
+// The current device's shared memory a block may opt in to (0 if it cannot be read).
+inline int smem_optin_bytes() {
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    return 0;
+  }
+  return optin;
+}
+
 template <class Kernel>
 cudaError_t allow_smem(Kernel kernel, int bytes) {
   if (bytes <= 48 * 1024) return cudaSuccess;
-  int device = 0, optin = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  if (err != cudaSuccess) return err;
-  if (bytes > optin) return cudaErrorLaunchOutOfResources;
+  if (bytes > smem_optin_bytes()) return cudaErrorLaunchOutOfResources;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 

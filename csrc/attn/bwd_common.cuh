@@ -112,12 +112,20 @@ static __global__ void __launch_bounds__(kSinkThreads) sink_grad_kernel(const Bw
 // (j, r) of a thread's accumulator x[kJ][4] is key row key0 + g + 8 (r / 2), query column row0 + 8 j + 2 t + r % 2,
 // so the elements of one diagonal (r / 2 = 0 of j and r / 2 = 1 of j + 1) are summed in registers first.
 struct RelBiasGrad {
-  float* sums;  // shared, width floats, zero between flushes
   RelBias rb;
+  float* sums;  // shared, rb.width floats, zero between flushes; or (p.rel_bias_in_gmem) this head's drel_bias
   float scale;  // d logit = x * scale (the main kernel's dS carries softmax_scale)
+  float add_scale;  // scale applied per add: `scale` straight into global memory, else 1 (flush applies it)
   int base;     // key - row of this thread's element (0, 0): key0 + g - row0 - 2t (column() adds the shift)
-  __device__ __forceinline__ RelBiasGrad(float* sums_, const RelBias& rb_, float scale_)
-      : sums(sums_), rb(rb_), scale(scale_), base(0) {}
+  __device__ __forceinline__ RelBiasGrad(float* smem_sums, const BwdParams& p, int head, const Seq& seq, float scale_)
+      : rb(p, head, seq.sq, seq.sk),
+        sums(p.rel_bias_in_gmem && p.drel_bias ? p.drel_bias + int64_t(head) * rb.width : smem_sums),
+        scale(scale_), add_scale(p.rel_bias_in_gmem ? scale_ : 1.f), base(0) {}
+  // The shared sums start at zero (a barrier orders this before the first add).
+  static __device__ __forceinline__ void zero(const BwdParams& p, float* smem_sums, int tid, int threads) {
+    if (!p.rel_bias || p.rel_bias_in_gmem) return;
+    for (int c = tid; c < 2 * p.rel_bias_radius + 1; c += threads) smem_sums[c] = 0.f;
+  }
   __device__ __forceinline__ void begin(int key0, int row0, int g, int t) { base = key0 + g - row0 - 2 * t; }
   // Element (j, r)'s column is column(base + 8 (r / 2) - 8 j - r % 2): bin c holds r / 2 = 0 of j = c and
   // r / 2 = 1 of j = c + 1. step(j, x_j) in order j = 0, 1, ...; finish() after the last.
@@ -125,24 +133,25 @@ struct RelBiasGrad {
   __device__ __forceinline__ void step(int j, const float (&x)[4]) {
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
-      atomicAdd(sums + rb.column(base - 8 * (j - 1) - par), (j > 0 ? carry[par] : 0.f) + x[2 + par]);
+      atomicAdd(sums + rb.column(base - 8 * (j - 1) - par), ((j > 0 ? carry[par] : 0.f) + x[2 + par]) * add_scale);
       carry[par] = x[par];
     }
   }
   __device__ __forceinline__ void finish(int kJ) {
 #pragma unroll
-    for (int par = 0; par < 2; ++par) atomicAdd(sums + rb.column(base - 8 * (kJ - 1) - par), carry[par]);
+    for (int par = 0; par < 2; ++par) atomicAdd(sums + rb.column(base - 8 * (kJ - 1) - par), carry[par] * add_scale);
   }
   // A block whose every element reads one column: this thread's sum x_sum, summed over the warp first.
   __device__ __forceinline__ void add_block(int column, float x_sum) {
 #pragma unroll
     for (int s = 16; s > 0; s /= 2) x_sum += __shfl_xor_sync(0xffffffff, x_sum, s);
-    if (threadIdx.x % 32 == 0) atomicAdd(sums + column, x_sum);
+    if (threadIdx.x % 32 == 0) atomicAdd(sums + column, x_sum * add_scale);
   }
   // After a barrier that follows every add of a query head: its sums into p.drel_bias, and zeroed (the caller's
   // next barrier orders the zeros before the next adds). Thread `tid` of `threads`.
   __device__ __forceinline__ void flush(const BwdParams& p, int head, int tid = threadIdx.x,
                                         int threads = kThreads) const {
+    if (p.rel_bias_in_gmem) return;  // added there already
     for (int c = tid; c < rb.width; c += threads) {
       const float v = sums[c];
       if (v != 0.f) atomicAdd(p.drel_bias + int64_t(head) * rb.width + c, v * scale);

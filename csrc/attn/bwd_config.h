@@ -28,9 +28,13 @@ inline int dq_copies(const BwdParams& p) {
   return std::max(1, std::min({num_n_blocks(p), fill, kMaxDqCopies}));
 }
 
-// Shared memory the main kernels add for the d rel_bias sums of one query head (bwd_common.cuh: RelBiasGrad).
-inline int rel_bias_smem_bytes(const BwdParams& p) {
-  return p.rel_bias ? (2 * p.rel_bias_radius + 1 + 3) / 4 * 16 : 0;
+// A main kernel's dynamic shared memory: its tiles' `tile_bytes`, plus the d rel_bias sums of one query head
+// (bwd_common.cuh: RelBiasGrad) where they fit this device's opt-in limit; else p.rel_bias_in_gmem (the kernel adds
+// into drel_bias with global atomics: slower, for radii past what shared memory holds).
+inline int rel_bias_smem(BwdParams& p, int tile_bytes) {
+  const int sums = p.rel_bias ? (2 * p.rel_bias_radius + 1 + 3) / 4 * 16 : 0;
+  p.rel_bias_in_gmem = sums > 0 && tile_bytes + sums > smem_optin_bytes();
+  return tile_bytes + (p.rel_bias_in_gmem ? 0 : sums);
 }
 
 // Workspace: D = rowsum(dO * O) as (h, total_q) floats, then the dQ copies as

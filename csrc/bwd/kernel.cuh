@@ -81,9 +81,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t rng_offset = 0;
   if (p.dropout_p > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
   const bool has_rel = p.rel_bias != nullptr;
-  if (has_rel) {
-    for (int c = tid; c < 2 * p.rel_bias_radius + 1; c += kThreads) s_rel[c] = 0.f;  // ordered by the barrier below
-  }
+  RelBiasGrad::zero(p, s_rel, tid, kThreads);  // ordered by the barrier below
 
   for (int n_block = bx; n_block < n_blocks; n_block += lanes) {
     __syncthreads();  // the previous key block is done with K/V and every buffer
@@ -138,7 +136,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const bool full = w.covers(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);  // no mask needed
         const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
         // Relative bias: this warp's 16 keys x the block's queries, saturated to one column or not.
-        RelBiasGrad rel(s_rel, RelBias(p, head, seq.sq, seq.sk), 1.f / p.softmax_scale);
+        RelBiasGrad rel(s_rel, p, head, seq, 1.f / p.softmax_scale);
         const int rel_block = rel.rb.block_column(m0, m0 + kBlockM - 1, n0 + 16 * warp, n0 + 16 * warp + 15);
         rel.begin(n0 + 16 * warp, m0, g, t);
         // x^T = A B^T over d for this warp's 16 keys (A = K or V rows), all kBlockM queries (B = Q or dO).
@@ -287,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       __syncthreads();  // dS^T complete; Q/dO of stage st free
       if (has_rel && (next_head != head || it + 1 == iters)) {  // this head's d rel_bias sums are complete
-        RelBiasGrad(s_rel, RelBias(p, head, seq.sq, seq.sk), 1.f / p.softmax_scale).flush(p, head);
+        RelBiasGrad(s_rel, p, head, seq, 1.f / p.softmax_scale).flush(p, head);
       }
 
       // ---- Phase C: dQ = dS K, added into the fp32 accumulator -----------------

@@ -57,9 +57,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t rng_offset = 0;
   if (p.dropout_p > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
   const bool has_rel = p.rel_bias != nullptr;
-  if (has_rel) {
-    for (int c = tid; c < 2 * p.rel_bias_radius + 1; c += kThreads) s_rel[c] = 0.f;  // ordered by the barrier below
-  }
+  RelBiasGrad::zero(p, s_rel, tid, kThreads);  // ordered by the barrier below
 
   for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
     __syncthreads();  // the previous key block is done with K/V
@@ -124,7 +122,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // A block needs masking where a key is past the end or a window edge crosses it.
         const bool full = w.covers(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);  // no mask needed
         const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
-        RelBiasGrad rel(s_rel, RelBias(p, head, seq.sq, seq.sk), 1.f);
+        RelBiasGrad rel(s_rel, p, head, seq, 1.f);
         const int rel_block = rel.rb.block_column(m0 + wm * Tr::kACols, m0 + (wm + 1) * Tr::kACols - 1, n0 + 16 * wn,
                                                   n0 + 16 * wn + 15);
         rel.begin(n0 + 16 * wn, m0 + wm * Tr::kACols, g, t);
@@ -181,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       __syncthreads();
       if (has_rel && (it + 1 == iters || (it + 1) / m_count != it / m_count)) {  // this head's sums are complete
-        RelBiasGrad(s_rel, RelBias(p, head, seq.sq, seq.sk), 1.f).flush(p, head);
+        RelBiasGrad(s_rel, p, head, seq, 1.f).flush(p, head);
       }
 
       // ---- Phase B: dV += P^T dO, dK += dS^T Q (registers) ---------------------

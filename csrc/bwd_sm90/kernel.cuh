@@ -106,9 +106,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
   const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner
   // d rel_bias sums of one query head, after the mbarriers (zeroed before the barrier below).
   float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kBars + (5 + 2 * kStages) * 8);
-  if (p.rel_bias) {
-    for (int c = threadIdx.x; c < 2 * p.rel_bias_radius + 1; c += Tr::kThreads) s_rel[c] = 0.f;
-  }
+  bwd::RelBiasGrad::zero(p, s_rel, threadIdx.x, Tr::kThreads);
 
   if (threadIdx.x == 0) {
     sm90::mbar_init(kv_full, 1);
@@ -250,7 +248,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
     }
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
     // Relative bias: this warp's 16 keys x the block's queries, saturated to one column or not.
-    bwd::RelBiasGrad rel(s_rel, RelBias(p, head, seq.sq, seq.sk), 1.f / p.softmax_scale);
+    bwd::RelBiasGrad rel(s_rel, p, head, seq, 1.f / p.softmax_scale);
     const int rel_block = rel.rb.block_column(m0, m0 + kBlockM - 1, key0 - g, key0 - g + 15);
     rel.begin(key0 - g, m0, g, t);
 #pragma unroll

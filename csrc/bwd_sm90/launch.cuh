@@ -44,7 +44,8 @@ cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
                               int64_t(p.h) * kD, int64_t(p.seqlen_q) * p.h * kD, kBlockM);
   }
   if (err != cudaSuccess) return err;
-  const int smem = Tr::kSmemBytes + bwd::rel_bias_smem_bytes(p);  // + the d rel_bias sums
+  BwdParams pk = p;  // + where the d rel_bias sums live
+  const int smem = bwd::rel_bias_smem(pk, Tr::kSmemBytes);
   err = allow_smem(kernel, smem);
   if (err != cudaSuccess) return err;
 
@@ -54,7 +55,7 @@ cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
   const int n_blocks = bwd::num_n_blocks(p), pairs = p.h_k * p.b;
   const int group = sm90::section_group(p.window_right == 0, pairs, n_blocks, p.num_sms,
                                         int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2);
-  kernel<<<n_blocks * pairs, Tr::kThreads, smem, stream>>>(p, maps, ws.dsum, group);
+  kernel<<<n_blocks * pairs, Tr::kThreads, smem, stream>>>(pk, maps, ws.dsum, group);
   return bwd::bwd_epilogue<kIsBf16, kHeadDim>(p, ws, stream);
 }
 
