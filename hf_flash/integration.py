@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 
@@ -73,7 +74,7 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
         if ranges is not None:
             return _decode(query, key, value, *ranges, kwargs, rel_bias), None
     if rel_bias is not None:  # the flash wrapper has no relative bias to pass on
-        return _attend_with_rel_bias(query, key, value, attention_mask, is_causal, rel_bias, kwargs), None
+        return _attend_with_rel_bias(module, query, key, value, attention_mask, is_causal, rel_bias, kwargs), None
     from transformers.integrations.flash_attention import flash_attention_forward
 
     if attention_mask is None and query.shape[0] == 1 and kwargs.get("position_ids") is not None \
@@ -105,20 +106,22 @@ def _rel_bias(module, position_bias):
     _refuse_score_term(module, "position_bias")
 
 
-def _attend_with_rel_bias(query, key, value, mask, is_causal: bool, rel_bias, kwargs):
+def _attend_with_rel_bias(module, query, key, value, mask, is_causal: bool, rel_bias, kwargs):
     """Attention with a relative position bias (the T5 family): what the flash wrapper does for these models,
-    the relative bias included: the padding mask unpads (a static cache's prefill reads the mask's keys), or
-    ``cu_seq_lens_*`` pack. (B, H, S, D) in, (B, S, H, D) out."""
+    the relative bias included: float32 inputs cast to the model's dtype (autocast, 16-bit weights), the padding
+    mask unpads (a static cache's prefill reads the mask's keys), or ``cu_seq_lens_*`` pack. (B, H, S, D) in,
+    (B, S, H, D) out."""
     from .patches._common import attend
 
+    target = _target_dtype(query, module) if query.dtype == torch.float32 else None
+    if target is not None and target != query.dtype:
+        query, key, value = (t.to(target) for t in (query, key, value))
     scale = kwargs.get("scaling")
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     dropout = kwargs.get("dropout") or 0.0
     deterministic = kwargs.get("deterministic")
-    if deterministic is None:
-        import os
-
-        deterministic = os.getenv("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"  # as the flash wrapper reads it
+    if deterministic is None:  # as the flash wrapper reads it
+        deterministic = os.getenv("FLASH_ATTENTION_DETERMINISTIC", "0") == "1"
     if kwargs.get("cu_seq_lens_q") is not None:
         b, h, d = query.shape[0], query.shape[1], query.shape[-1]
         flat = [t.transpose(1, 2).reshape(-1, t.shape[1], d) for t in (query, key, value)]
