@@ -183,9 +183,8 @@ class _Batch:
             if t is not None:
                 ds = ds * (1 - t * t)
             if drel is not None:  # d logit, summed per table column over every (query, key) that reads it
-                index = self.rel_index(cols)[:, 0].expand(ds.shape[0], *ds.shape[2:])
-                for h in range(ds.shape[1]):
-                    drel[h].index_put_((index.flatten(),), ds[:, h].flatten(), accumulate=True)
+                heads = torch.arange(ds.shape[1], device=ds.device)[None, :, None, None].expand_as(ds)
+                drel.index_put_((heads, self.rel_index(cols).expand_as(ds)), ds, accumulate=True)
             ds = ds * self.scale
             dq += torch.einsum("bhqk,bhkd->bhqd", ds, k_blk)
             dk[:, :, cols] += torch.einsum("bhqk,bhqd->bhkd", ds, self.q)

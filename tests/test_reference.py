@@ -217,33 +217,6 @@ def test_sinks_on_fully_masked_rows_give_zero_output_and_the_sink_lse():
     assert torch.equal(dq[:, empty], torch.zeros_like(dq[:, empty])) and torch.isfinite(dsinks).all()
 
 
-@pytest.mark.parametrize("causal,window,hk", [(True, (-1, -1), 2), (False, (-1, -1), 4), (True, (8, 0), 1)])
-def test_sinks_varlen_match_per_sequence(causal, window, hk):
-    torch.manual_seed(3)
-    batch, h, d = 4, 4, 16
-    cu_q, len_q = _random_cu_seqlens(batch, 40)
-    cu_k, len_k = _random_cu_seqlens(batch, 50)
-    q, k, v, sinks = rand(int(cu_q[-1]), h, d), rand(int(cu_k[-1]), hk, d), rand(int(cu_k[-1]), hk, d), rand(h)
-    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, int(len_q.max()), int(len_k.max()), causal=causal,
-                                 window_size=window, learnable_sink=sinks)
-    dout = torch.randn_like(out)
-    dq, dk, dv, dsinks = grads(out, (q, k, v, sinks), dout)
-    dsinks_ref = torch.zeros_like(dsinks)
-    for i in range(batch):
-        qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
-        if qs.stop == qs.start:
-            continue
-        args = [t[None].detach().requires_grad_() for t in (q[qs], k[ks], v[ks])] + [sinks.detach().requires_grad_()]
-        ref = naive_attention(*args[:3], causal=causal, window_size=window, sinks=args[3])
-        assert_close(out[qs], ref[0], 1e-10, f"out[seq {i}]")
-        g_ref = grads(ref, args, dout[qs][None])
-        for name, g, gr, sl in zip("qkv", (dq, dk, dv), g_ref, (qs, ks, ks)):
-            assert_close(g[sl], gr[0], 1e-9 * max(1.0, gr.abs().max().item() if gr.numel() else 1.0),
-                         f"d{name}[seq {i}]")
-        dsinks_ref += g_ref[3]
-    assert_close(dsinks, dsinks_ref, 1e-9 * max(1.0, dsinks_ref.abs().max().item()), "dsinks")
-
-
 def test_kvcache_with_sinks():
     torch.manual_seed(2)
     b, s_cache, h, hk, d = 3, 32, 4, 2, 16
@@ -335,32 +308,36 @@ def test_rel_bias_matches_naive_float64(b, sq, sk, h, hk, d, causal, window, sof
 
 @pytest.mark.parametrize("causal,window,hk,radius", [(True, (-1, -1), 2, 3), (False, (-1, -1), 4, 100),
                                                      (True, (8, 0), 1, 5)])
-def test_rel_bias_varlen_matches_per_sequence(causal, window, hk, radius):
-    """Positions count within each sequence (empty ones included); d rel_bias sums over the sequences."""
+@pytest.mark.parametrize("shared", ["learnable_sink", "rel_bias"])
+def test_shared_parameter_varlen_matches_per_sequence(shared, causal, window, hk, radius):
+    """A per-head parameter every sequence shares (learned sinks, a relative bias table whose positions count
+    within each sequence), empty sequences included: each sequence matches its own attention and the parameter's
+    gradient sums over the sequences."""
     torch.manual_seed(5)
     batch, h, d = 5, 4, 16
     cu_q, len_q = _random_cu_seqlens(batch, 40)
     cu_k, len_k = _random_cu_seqlens(batch, 50)
     q, k, v = rand(int(cu_q[-1]), h, d), rand(int(cu_k[-1]), hk, d), rand(int(cu_k[-1]), hk, d)
-    table = (2 * torch.randn(h, 2 * radius + 1, dtype=F64)).requires_grad_()
+    param = rand(h) if shared == "learnable_sink" else (2 * torch.randn(h, 2 * radius + 1, dtype=F64)).requires_grad_()
+    naive_name = {"learnable_sink": "sinks", "rel_bias": "rel_bias"}[shared]
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, int(len_q.max()), int(len_k.max()), causal=causal,
-                                 window_size=window, rel_bias=table)
+                                 window_size=window, **{shared: param})
     dout = torch.randn_like(out)
-    dq, dk, dv, dtable = grads(out, (q, k, v, table), dout)
-    dtable_ref = torch.zeros_like(dtable)
+    dq, dk, dv, dparam = grads(out, (q, k, v, param), dout)
+    dparam_ref = torch.zeros_like(dparam)
     for i in range(batch):
         qs, ks = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
         if qs.stop == qs.start:
             continue
-        args = [t[None].detach().requires_grad_() for t in (q[qs], k[ks], v[ks])] + [table.detach().requires_grad_()]
-        ref = naive_attention(*args[:3], causal=causal, window_size=window, rel_bias=args[3])
+        args = [t[None].detach().requires_grad_() for t in (q[qs], k[ks], v[ks])] + [param.detach().requires_grad_()]
+        ref = naive_attention(*args[:3], causal=causal, window_size=window, **{naive_name: args[3]})
         assert_close(out[qs], ref[0], 1e-10, f"out[seq {i}]")
         g_ref = grads(ref, args, dout[qs][None])
         for name, g, gr, sl in zip("qkv", (dq, dk, dv), g_ref, (qs, ks, ks)):
             assert_close(g[sl], gr[0], 1e-9 * max(1.0, gr.abs().max().item() if gr.numel() else 1.0),
                          f"d{name}[seq {i}]")
-        dtable_ref += g_ref[3]
-    assert_close(dtable, dtable_ref, 1e-9 * max(1.0, dtable_ref.abs().max().item()), "drel_bias")
+        dparam_ref += g_ref[3]
+    assert_close(dparam, dparam_ref, 1e-9 * max(1.0, dparam_ref.abs().max().item()), f"d{naive_name}")
 
 
 def test_kvcache_with_rel_bias():
