@@ -361,7 +361,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   strides(dk.kernel, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
   strides(dv.kernel, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
   p.deterministic = deterministic;
-  p.rel_bias_in_gmem = false;  // the launchers decide (bwd::rel_bias_smem)
+  p.rel_bias_in_gmem = p.rel_bias_direct = false;  // the launchers decide (bwd::rel_bias_smem)
   p.sinks = sink.defined() ? sink.data_ptr<float>() : nullptr;
   p.dsinks = sink.defined() ? dsinks.data_ptr<float>() : nullptr;
   const at::Tensor rel = rel_bias_for_kernel(p, rel_bias, q, softcap);

@@ -104,6 +104,9 @@ struct BwdParams : FwdParams {
   // The kernels add d rel_bias straight into drel_bias instead of per-CTA shared-memory sums (the launchers set it
   // where those sums do not fit next to the tiles: bwd::rel_bias_smem).
   bool rel_bias_in_gmem;
+  // Each warp adds its d logits into the sums one (key, row) pair of diagonals at a time, without staging them by
+  // diagonal in shared memory first (set where the staging rows do not fit: bwd::rel_bias_smem).
+  bool rel_bias_direct;
 
   // Workspace owned by the caller (sizes from bwd_workspace_bytes()).
   void* workspace;

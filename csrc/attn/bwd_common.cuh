@@ -108,38 +108,114 @@ static __global__ void __launch_bounds__(kSinkThreads) sink_grad_kernel(const Bw
 }
 
 // d rel_bias of one CTA's key block: every d logit (= P (dP - D)) of a query block summed into its table column in
-// shared memory, then added to p.drel_bias once per query head (flush). The tiles hold keys as rows: element
-// (j, r) of a thread's accumulator x[kJ][4] is key row key0 + g + 8 (r / 2), query column row0 + 8 j + 2 t + r % 2,
-// so the elements of one diagonal (r / 2 = 0 of j and r / 2 = 1 of j + 1) are summed in registers first.
+// shared memory, then added to p.drel_bias once per query head (flush). A warp's tile is 16 keys x 8 kJ queries:
+// element (j, r) of a thread's accumulator x[kJ][4] is key key0 + g + 8 (r / 2), query row0 + 8 j + 2 t + r % 2.
+// Adding each element into its column with shared-memory atomics is slow (a float atomicAdd on shared memory is a
+// compare-and-swap loop on sm_90, and 8 lanes of a warp hit each diagonal), so a warp first sorts its tile by
+// diagonal, without atomics or bank conflicts:
+//   registers  elements (j - 1, r / 2 = 0) and (j, r / 2 = 1) share a diagonal: summed into bin j (0..kJ), one
+//              per parity r % 2;
+//   staging    each diagonal's bins come from 8 lanes, one per (t, parity): bin b of lane (g, t), parity p, goes to
+//              row 2t + p of the warp's 8 staging rows (a row stride of 5 mod 16 floats puts a store's 32 lanes on
+//              32 banks), at its diagonal's slot; then lane l sums the 8 rows of diagonals l, l + 32, ... and adds
+//              each into its column (the saturated columns 0 and 2R summed over the warp first).
+// Where the staging rows do not fit next to a kernel's tiles (p.rel_bias_direct: GPUs smaller than sm_90's, where
+// every kernel has room by its traits' static_assert), every bin goes straight into the sums instead; where the
+// sums do not fit either (p.rel_bias_in_gmem), they are p.drel_bias itself.
+template <int kJ>
 struct RelBiasGrad {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  static constexpr bool kMayBeDirect = false;
+#else
+  static constexpr bool kMayBeDirect = true;
+#endif
+  static constexpr int kDiags = rel_scratch_diagonals(kJ), kRow = rel_scratch_stride(kJ);
   RelBias rb;
-  float* sums;  // shared, rb.width floats, zero between flushes; or (p.rel_bias_in_gmem) this head's drel_bias
-  float scale;  // d logit = x * scale (the main kernel's dS carries softmax_scale)
+  float* sums;     // shared, rb.width floats, zero between flushes; or (p.rel_bias_in_gmem) this head's drel_bias
+  float scale;     // d logit = x * scale (the main kernel's dS carries softmax_scale)
   float add_scale;  // scale applied per add: `scale` straight into global memory, else 1 (flush applies it)
-  int base;     // key - row of this thread's element (0, 0): key0 + g - row0 - 2t (column() adds the shift)
+  // Shared address of this lane's slot of bin 0, parity 0 (row 2t of its warp's staging rows): bin b, parity p at
+  // slot - 32 b + 4 p (kRow - 1), for the diagonal key - row = base - 8 (b - 1) - p. 0 with p.rel_bias_direct.
+  uint32_t slot = 0;
+  int base = 0;    // key - row of this thread's bin 1, parity 0: key0 + g - row0 - 2t (column() adds the shift)
+  float carry[2] = {0.f, 0.f};  // r / 2 = 0 of the previous j
+
   __device__ __forceinline__ RelBiasGrad(float* smem_sums, const BwdParams& p, int head, const Seq& seq, float scale_)
       : rb(p, head, seq.sq, seq.sk),
         sums(p.rel_bias_in_gmem && p.drel_bias ? p.drel_bias + int64_t(head) * rb.width : smem_sums),
-        scale(scale_), add_scale(p.rel_bias_in_gmem ? scale_ : 1.f), base(0) {}
-  // The shared sums start at zero (a barrier orders this before the first add).
-  static __device__ __forceinline__ void zero(const BwdParams& p, float* smem_sums, int tid, int threads) {
-    if (!p.rel_bias || p.rel_bias_in_gmem) return;
-    for (int c = tid; c < 2 * p.rel_bias_radius + 1; c += threads) smem_sums[c] = 0.f;
+        scale(scale_), add_scale(p.rel_bias_in_gmem ? scale_ : 1.f) {}
+  // The staging rows follow the shared sums (or take their place when the sums live in global memory).
+  static __device__ __forceinline__ float* staging(const BwdParams& p, float* smem_sums) {
+    return smem_sums + (p.rel_bias_in_gmem ? 0 : rel_sums_floats(p.rel_bias_radius));
   }
-  __device__ __forceinline__ void begin(int key0, int row0, int g, int t) { base = key0 + g - row0 - 2 * t; }
-  // Element (j, r)'s column is column(base + 8 (r / 2) - 8 j - r % 2): bin c holds r / 2 = 0 of j = c and
-  // r / 2 = 1 of j = c + 1. step(j, x_j) in order j = 0, 1, ...; finish() after the last.
-  float carry[2] = {0.f, 0.f};  // r / 2 = 0 of the previous j
-  __device__ __forceinline__ void step(int j, const float (&x)[4]) {
-#pragma unroll
-    for (int par = 0; par < 2; ++par) {
-      atomicAdd(sums + rb.column(base - 8 * (j - 1) - par), ((j > 0 ? carry[par] : 0.f) + x[2 + par]) * add_scale);
-      carry[par] = x[par];
+  // Sums and staging rows start at zero (a barrier orders this before the first add): a slot no lane writes (the
+  // rows' ragged ends) reads as 0 in every tile.
+  static __device__ __forceinline__ void zero(const BwdParams& p, float* smem_sums, int tid, int threads) {
+    if (!p.rel_bias) return;
+    const int n = (p.rel_bias_in_gmem ? 0 : rel_sums_floats(p.rel_bias_radius)) +
+                  (kMayBeDirect && p.rel_bias_direct ? 0 : rel_scratch_floats(kJ));
+    for (int c = tid; c < n; c += threads) smem_sums[c] = 0.f;
+  }
+  // A tile of this warp (of 8), its first key and row; lane (g, t).
+  __device__ __forceinline__ void begin(const BwdParams& p, float* smem_sums, int warp, int key0, int row0, int g,
+                                        int t) {
+    base = key0 + g - row0 - 2 * t;
+    if (!(kMayBeDirect && p.rel_bias_direct)) {
+      slot = tile::smem_u32(staging(p, smem_sums) + warp * 8 * kRow) + lane_slot();
     }
   }
-  __device__ __forceinline__ void finish(int kJ) {
+  // The bias of bin b, parity p's diagonal (after begin()).
+  __device__ __forceinline__ float bin_bias(int b, int par) const {
+    return __ldg(rb.table + rb.column(base - 8 * (b - 1) - par));
+  }
+  // step(j, x_j) in order j = 0, 1, ..., kJ - 1, finish() after the last; then commit() (every lane of the warp),
+  // which may wait (under the next GEMM, when the tile's registers are free) until before the next tile's steps.
+  __device__ __forceinline__ void step(int j, const float (&x)[4]) {
+    put(j, (j > 0 ? carry[0] : 0.f) + x[2], (j > 0 ? carry[1] : 0.f) + x[3]);
+    carry[0] = x[0];
+    carry[1] = x[1];
+  }
+  __device__ __forceinline__ void finish() { put(kJ, carry[0], carry[1]); }
+  // The staged diagonals into their columns.
+  __device__ __forceinline__ void commit() {
+    if (direct()) return;
+    __syncwarp();  // the staging stores are visible
+    const int lane = threadIdx.x % 32;
+    const int first = base - lane / 4 + 2 * (lane % 4) - (8 * kJ - 1);  // key - row of the warp's slot 0
+    const uint32_t rows = slot - lane_slot();
+    float lo = 0.f, hi = 0.f;  // saturated columns 0 and 2R: one add per warp
 #pragma unroll
-    for (int par = 0; par < 2; ++par) atomicAdd(sums + rb.column(base - 8 * (kJ - 1) - par), carry[par] * add_scale);
+    for (int i = 0; i < (kDiags + 31) / 32; ++i) {
+      const int dl = lane + 32 * i;
+      if (dl < kDiags) {
+        float v[8];
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+          asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v[r]) : "r"(rows + 4 * (r * kRow + dl)));
+        }
+        const float sum = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+        const int c = rb.column(first + dl);
+        if (c == 0) {
+          lo += sum;
+        } else if (c == rb.width - 1) {
+          hi += sum;
+        } else {
+          atomicAdd(sums + c, sum * add_scale);  // one lane per column in this warp
+        }
+      }
+    }
+    __syncwarp();  // every lane has read the rows before the next tile's stores
+    if (__any_sync(0xffffffffu, lo != 0.f || hi != 0.f)) {
+#pragma unroll
+      for (int s = 16; s > 0; s /= 2) {
+        lo += __shfl_xor_sync(0xffffffffu, lo, s);
+        hi += __shfl_xor_sync(0xffffffffu, hi, s);
+      }
+      if (lane == 0) {
+        atomicAdd(sums, lo * add_scale);
+        if (rb.width > 1) atomicAdd(sums + rb.width - 1, hi * add_scale);
+      }
+    }
   }
   // A block whose every element reads one column: this thread's sum x_sum, summed over the warp first.
   __device__ __forceinline__ void add_block(int column, float x_sum) {
@@ -157,6 +233,25 @@ struct RelBiasGrad {
       if (v != 0.f) atomicAdd(p.drel_bias + int64_t(head) * rb.width + c, v * scale);
       sums[c] = 0.f;
     }
+  }
+
+ private:
+  __device__ __forceinline__ bool direct() const { return kMayBeDirect && !slot; }
+  // Lane (g, t)'s bin 0, parity 0 in its warp's rows: row 2t, the diagonal's offset from the warp's first one
+  // (key0 - row0 - 8 kJ + 1), in bytes.
+  static __device__ __forceinline__ uint32_t lane_slot() {
+    const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    return 4 * (2 * t * kRow + g - 2 * t + 8 * kJ + 7);
+  }
+  // Bin b's parity 0 and 1 sums (diagonals base - 8 (b - 1) and one less).
+  __device__ __forceinline__ void put(int b, float v0, float v1) {
+    if (direct()) {
+      atomicAdd(sums + rb.column(base - 8 * (b - 1)), v0 * add_scale);
+      atomicAdd(sums + rb.column(base - 8 * (b - 1) - 1), v1 * add_scale);
+      return;
+    }
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(slot - 32 * b), "f"(v0));
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(slot - 32 * b + 4 * (kRow - 1)), "f"(v1));
   }
 };
 

@@ -28,13 +28,33 @@ inline int dq_copies(const BwdParams& p) {
   return std::max(1, std::min({num_n_blocks(p), fill, kMaxDqCopies}));
 }
 
-// A main kernel's dynamic shared memory: its tiles' `tile_bytes`, plus the d rel_bias sums of one query head
-// (bwd_common.cuh: RelBiasGrad) where they fit this device's opt-in limit; else p.rel_bias_in_gmem (the kernel adds
-// into drel_bias with global atomics: slower, for radii past what shared memory holds).
-inline int rel_bias_smem(BwdParams& p, int tile_bytes) {
-  const int sums = p.rel_bias ? (2 * p.rel_bias_radius + 1 + 3) / 4 * 16 : 0;
-  p.rel_bias_in_gmem = sums > 0 && tile_bytes + sums > smem_optin_bytes();
-  return tile_bytes + (p.rel_bias_in_gmem ? 0 : sums);
+// d rel_bias (bwd_common.cuh: RelBiasGrad): the sums of one query head (2R + 1 floats, 16-byte padded) and each
+// of the 8 warps' staging rows for its 16 keys x 8 kJ queries: 8 rows of 8 kJ + 15 diagonals, a row stride of
+// 5 mod 16 floats (conflict-free stores).
+__host__ __device__ constexpr int rel_sums_floats(int radius) { return (2 * radius + 1 + 3) / 4 * 4; }
+__host__ __device__ constexpr int rel_scratch_diagonals(int kJ) { return 8 * kJ + 15; }
+__host__ __device__ constexpr int rel_scratch_stride(int kJ) {
+  return rel_scratch_diagonals(kJ) + (5 - rel_scratch_diagonals(kJ) % 16 + 16) % 16;
+}
+__host__ __device__ constexpr int rel_scratch_floats(int kJ) { return 8 * 8 * rel_scratch_stride(kJ); }
+// Every sm_90 GPU lets a block opt in to 227 KB: each main kernel's traits assert that its tiles, its staging rows
+// and the sums of a radius up to 511 fit (so sm_90 code never takes the p.rel_bias_direct path).
+constexpr int kSm90SmemOptin = 227 * 1024;
+__host__ __device__ constexpr bool rel_bias_fits_sm90(int tile_bytes, int kJ) {
+  return tile_bytes + 4 * rel_scratch_floats(kJ) + 4 * rel_sums_floats(511) <= kSm90SmemOptin;
+}
+
+// A main kernel's dynamic shared memory: its tiles' `tile_bytes`, plus (with a relative bias) the staging rows of
+// its warps' kJ-column tiles and the sums, where they fit this device's opt-in limit. Else the sums go to global
+// memory first (p.rel_bias_in_gmem: global atomics), then the staging (p.rel_bias_direct: one add per bin).
+inline int rel_bias_smem(BwdParams& p, int tile_bytes, int kJ) {
+  p.rel_bias_in_gmem = p.rel_bias_direct = false;
+  if (!p.rel_bias) return tile_bytes;
+  const int sums = 4 * rel_sums_floats(p.rel_bias_radius), staging = 4 * rel_scratch_floats(kJ);
+  const int optin = smem_optin_bytes();
+  p.rel_bias_in_gmem = tile_bytes + sums + staging > optin;
+  p.rel_bias_direct = tile_bytes + staging > optin;
+  return tile_bytes + (p.rel_bias_in_gmem ? 0 : sums) + (p.rel_bias_direct ? 0 : staging);
 }
 
 // Workspace: D = rowsum(dO * O) as (h, total_q) floats, then the dQ copies as

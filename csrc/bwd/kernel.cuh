@@ -34,6 +34,7 @@ struct BwdTraits {
   // 128 query rows per step at d64 (faster than 64), 64 otherwise (registers).
   static constexpr int kD = kHeadDim, kBlockN = block_n(kHeadDim), kBlockM = kHeadDim == 64 ? 128 : 64;
   static constexpr int kWarps = kThreads / 32;
+  static constexpr int kRelJ = kBlockM / 8;  // a warp's phase-AB tile: 16 keys x kBlockM queries
   static_assert(kBlockN == 16 * kWarps, "warp w owns keys 16w..16w+15 in phase AB");
   static_assert(kBlockM % 16 == 0 && kD % 16 == 0, "tiles");
   static constexpr int kStages = 2;             // Q/dO/LSE/D buffers
@@ -49,6 +50,7 @@ struct BwdTraits {
                        kDO = kQ + kStages * kBlockM * kStrideD, kDSt = kDO + kStages * kBlockM * kStrideD,
                        kElems = kDSt + kBlockN * kStrideM;
   static constexpr int kSmemBytes = kElems * 2 + 2 * kStages * kBlockM * sizeof(float);
+  static_assert(rel_bias_fits_sm90(kSmemBytes, kRelJ), "sm_90 shared memory, d rel_bias included");
 };
 
 template <bool kIsBf16, int kHeadDim>
@@ -61,7 +63,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* smem = reinterpret_cast<T*>(smem_raw);
   float* s_lse = reinterpret_cast<float*>(smem + Tr::kElems);  // [stage][row] LSE, then LSE * log2(e)
   float* s_dsum = s_lse + kStages * kBlockM;                    // [stage][row] D, then D * softmax_scale
-  float* s_rel = s_dsum + kStages * kBlockM;                    // d rel_bias sums of one query head (if any)
+  float* s_rel = s_dsum + kStages * kBlockM;                    // d rel_bias sums, staging rows (if any)
   const uint32_t sK = tile::smem_u32(smem + Tr::kK), sV = tile::smem_u32(smem + Tr::kV),
                  sQ0 = tile::smem_u32(smem + Tr::kQ), sDO0 = tile::smem_u32(smem + Tr::kDO),
                  sDSt = tile::smem_u32(smem + Tr::kDSt);
@@ -81,7 +83,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t rng_offset = 0;
   if (p.dropout_p > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
   const bool has_rel = p.rel_bias != nullptr;
-  RelBiasGrad::zero(p, s_rel, tid, kThreads);  // ordered by the barrier below
+  RelBiasGrad<Tr::kRelJ>::zero(p, s_rel, tid, kThreads);  // ordered by the barrier below
 
   for (int n_block = bx; n_block < n_blocks; n_block += lanes) {
     __syncthreads();  // the previous key block is done with K/V and every buffer
@@ -136,9 +138,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const bool full = w.covers(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);  // no mask needed
         const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
         // Relative bias: this warp's 16 keys x the block's queries, saturated to one column or not.
-        RelBiasGrad rel(s_rel, p, head, seq, 1.f / p.softmax_scale);
+        RelBiasGrad<Tr::kRelJ> rel(s_rel, p, head, seq, 1.f / p.softmax_scale);
         const int rel_block = rel.rb.block_column(m0, m0 + kBlockM - 1, n0 + 16 * warp, n0 + 16 * warp + 15);
-        rel.begin(n0 + 16 * warp, m0, g, t);
         // x^T = A B^T over d for this warp's 16 keys (A = K or V rows), all kBlockM queries (B = Q or dO).
         auto gemm_keys = [&](uint32_t sA, uint32_t sB, auto& x) {  // x: float[kBlockM / 8][4]
           const int a_row = 16 * warp + lane % 16, a_col = lane / 16 * 8;
@@ -222,6 +223,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         auto grads = [&](auto dropout_tag, const auto& pf, const auto& dp, auto& af) {
           constexpr bool kDropout = decltype(dropout_tag)::value;
           float block_sum = 0.f;
+          if (has_rel) rel.begin(p, s_rel, warp, n0 + 16 * warp, m0, g, t);  // not live across probs()
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
             const float2 dsc = *reinterpret_cast<const float2*>(dsum_scaled + 8 * j + 2 * t);
@@ -253,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           if (has_rel) {
             if (rel_block < 0) {
-              rel.finish(kBlockM / 8);
+              rel.finish();
             } else {
               rel.add_block(rel_block, block_sum);
             }
@@ -282,10 +284,11 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
         gemm_queries(af, sQ, acc[1]);
+        if (has_rel && rel_block < 0) rel.commit();  // after dK: the tile's registers are free
       }
       __syncthreads();  // dS^T complete; Q/dO of stage st free
       if (has_rel && (next_head != head || it + 1 == iters)) {  // this head's d rel_bias sums are complete
-        RelBiasGrad(s_rel, p, head, seq, 1.f / p.softmax_scale).flush(p, head);
+        RelBiasGrad<Tr::kRelJ>(s_rel, p, head, seq, 1.f / p.softmax_scale).flush(p, head);
       }
 
       // ---- Phase C: dQ = dS K, added into the fp32 accumulator -----------------

@@ -17,6 +17,7 @@ struct BwdLargeDTraits {
   static constexpr int kStrideM = kBlockM + 8;  // P^T, dS^T rows: one key, kBlockM queries
   // Phase A, S^T = K Q^T and dP^T = V dO^T (kBlockN x kBlockM): warps tile keys x queries.
   static constexpr int kAWarpsN = kBlockN / 16, kACols = kBlockM / (kWarps / kAWarpsN);
+  static constexpr int kRelJ = kACols / 8;  // a warp's phase-A tile: 16 keys x kACols queries
   // Phase B, dV += P^T dO and dK += dS^T Q (kBlockN x d): warps tile keys x head dim.
   static constexpr int kBWarpsN = kBlockN / 16, kBCols = kD / (kWarps / kBWarpsN);
   // Phase C, dQ = dS K (kBlockM x d): warps tile queries x head dim, kCChunk columns at a time (d512: two
@@ -29,6 +30,7 @@ struct BwdLargeDTraits {
                        kDO = kQ + kBlockM * kStrideD, kPt = kDO + kBlockM * kStrideD,
                        kDSt = kPt + kBlockN * kStrideM, kElems = kDSt + kBlockN * kStrideM;
   static constexpr int kSmemBytes = kElems * 2 + 2 * kBlockM * sizeof(float);
+  static_assert(rel_bias_fits_sm90(kSmemBytes, kRelJ), "sm_90 shared memory, d rel_bias included");
 };
 
 template <bool kIsBf16, int kHeadDim>
@@ -41,7 +43,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* smem = reinterpret_cast<T*>(smem_raw);
   float* s_lse2 = reinterpret_cast<float*>(smem + Tr::kElems);  // LSE * log2(e) of the query block
   float* s_dsum = s_lse2 + kBlockM;
-  float* s_rel = s_dsum + kBlockM;  // d rel_bias sums of one query head (if any)
+  float* s_rel = s_dsum + kBlockM;  // d rel_bias sums, staging rows (if any)
   const uint32_t sK = tile::smem_u32(smem + Tr::kK), sV = tile::smem_u32(smem + Tr::kV),
                  sQ = tile::smem_u32(smem + Tr::kQ), sDO = tile::smem_u32(smem + Tr::kDO),
                  sPt = tile::smem_u32(smem + Tr::kPt), sDSt = tile::smem_u32(smem + Tr::kDSt);
@@ -57,7 +59,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t rng_offset = 0;
   if (p.dropout_p > 0) { seed = uint64_t(p.rng_state[0]); rng_offset = uint32_t(p.rng_state[1]); }
   const bool has_rel = p.rel_bias != nullptr;
-  RelBiasGrad::zero(p, s_rel, tid, kThreads);  // ordered by the barrier below
+  RelBiasGrad<Tr::kRelJ>::zero(p, s_rel, tid, kThreads);  // ordered by the barrier below
 
   for (int n_block = blockIdx.x; n_block < n_blocks; n_block += gridDim.x) {
     __syncthreads();  // the previous key block is done with K/V
@@ -122,10 +124,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         // A block needs masking where a key is past the end or a window edge crosses it.
         const bool full = w.covers(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1);  // no mask needed
         const float slope2 = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_batch_stride + head] * kLog2e : 0.f;
-        RelBiasGrad rel(s_rel, p, head, seq, 1.f);
+        RelBiasGrad<Tr::kRelJ> rel(s_rel, p, head, seq, 1.f);
         const int rel_block = rel.rb.block_column(m0 + wm * Tr::kACols, m0 + (wm + 1) * Tr::kACols - 1, n0 + 16 * wn,
                                                   n0 + 16 * wn + 15);
-        rel.begin(n0 + 16 * wn, m0 + wm * Tr::kACols, g, t);
+        rel.begin(p, s_rel, warp, n0 + 16 * wn, m0 + wm * Tr::kACols, g, t);
         float block_sum = 0.f;
 #pragma unroll
         for (int j = 0; j < Tr::kACols / 8; ++j) {
@@ -171,7 +173,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         if (has_rel) {
           if (rel_block < 0) {
-            rel.finish(Tr::kACols / 8);
+            rel.finish();
+            rel.commit();
           } else {
             rel.add_block(rel_block, block_sum);
           }
@@ -179,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       __syncthreads();
       if (has_rel && (it + 1 == iters || (it + 1) / m_count != it / m_count)) {  // this head's sums are complete
-        RelBiasGrad(s_rel, p, head, seq, 1.f).flush(p, head);
+        RelBiasGrad<Tr::kRelJ>(s_rel, p, head, seq, 1.f).flush(p, head);
       }
 
       // ---- Phase B: dV += P^T dO, dK += dS^T Q (registers) ---------------------

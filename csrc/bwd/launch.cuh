@@ -9,7 +9,7 @@ namespace bwd {
 
 template <class Tr, class Kernel>
 cudaError_t launch_main(Kernel kernel, BwdParams p, const BwdWorkspace& ws, cudaStream_t stream) {
-  const int smem = rel_bias_smem(p, Tr::kSmemBytes);
+  const int smem = rel_bias_smem(p, Tr::kSmemBytes, Tr::kRelJ);
   const cudaError_t err = allow_smem(kernel, smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(p.deterministic ? ws.copies : num_n_blocks(p), p.h_k, p.b);

@@ -41,6 +41,11 @@ struct BwdSm90Traits {
   // 128 keys x 64 queries: dK, dV and S^T, dP^T (or dQ) fit in 240 registers with room for the scheduler (at d64,
   // 128 queries with the branch-free mask below made ptxas spill and serialise the wgmmas).
   static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = 64;
+  static constexpr int kRelJ = kBlockM / 8;  // a consumer warp's tile: 16 keys x kBlockM queries
+  // The pointwise code in two copies, with and without the relative bias, each straight-line (a branch inside the
+  // unrolled loops cuts them into basic blocks the scheduler cannot interleave: 1.25x the d64 backward's time);
+  // at d128 the bias copy's registers make ptxas spill in both, slower than one copy with the branches.
+  static constexpr bool kSplitRel = kHeadDim == 64;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "instantiated head dims");
   static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
   static_assert(kBlockN == 2 * 64, "two consumer warpgroups of 64 keys");
@@ -65,7 +70,7 @@ struct BwdSm90Traits {
                        kDsum = kLse + kStages * kRowBytes, kBars = kDsum + kStages * kRowBytes,
                        kSmemBytes = kBars + (5 + 2 * kStages) * 8 + 1024;  // + alignment slack
   static_assert(kDSt % 1024 == 0 && kDStBytes % 1024 == 0 && kDq % 1024 == 0, "swizzled panels");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory per block");
+  static_assert(bwd::rel_bias_fits_sm90(kSmemBytes, kRelJ), "shared memory per block, d rel_bias included");
 };
 
 // TMA maps of q, dout, dq_acc (boxes of kBlockM rows) and k, v (kBlockN rows): dims (d, heads, rows, batch),
@@ -104,9 +109,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
   if (n0 >= seq.sk) return;  // varlen: past this sequence's keys (the whole CTA)
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
   const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner
-  // d rel_bias sums of one query head, after the mbarriers (zeroed before the barrier below).
+  // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
+  // below).
   float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kBars + (5 + 2 * kStages) * 8);
-  bwd::RelBiasGrad::zero(p, s_rel, threadIdx.x, Tr::kThreads);
+  bwd::RelBiasGrad<Tr::kRelJ>::zero(p, s_rel, threadIdx.x, Tr::kThreads);
 
   if (threadIdx.x == 0) {
     sm90::mbar_init(kv_full, 1);
@@ -247,78 +253,73 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
       first[h] = key >= seq.sk ? INT_MAX : w.row_lo(key) - row0;  // rows >= row_lo see the key (no left window)
     }
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
-    // Relative bias: this warp's 16 keys x the block's queries, saturated to one column or not.
-    bwd::RelBiasGrad rel(s_rel, p, head, seq, 1.f / p.softmax_scale);
-    const int rel_block = rel.rb.block_column(m0, m0 + kBlockM - 1, key0 - g, key0 - g + 15);
-    rel.begin(key0 - g, m0, g, t);
+    // The pointwise passes, with the bias or not (a std::bool_constant: Tr::kSplitRel; else a runtime bool).
+    bwd::RelBiasGrad<Tr::kRelJ> rel(s_rel, p, head, seq, 1.f / p.softmax_scale);  // this warp's 16 keys
+    rel.begin(p, s_rel, tid / 32, key0 - g, m0, g, t);
+    auto pointwise = [&](auto with_bias) {
+      const bool kRel = with_bias;
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      float2 l2 = *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t);
-      l2.x *= bwd::kLog2e;  // (kernel.cuh scales in shared memory: same products)
-      l2.y *= bwd::kLog2e;
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        float2 l2 = *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t);
+        l2.x *= bwd::kLog2e;  // (kernel.cuh scales in shared memory: same products)
+        l2.y *= bwd::kLog2e;
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int c = 8 * j + r % 2;
-        float lse2 = r % 2 ? l2.y : l2.x;
-        if (rel.rb.table) {  // the bias joins the logit: subtract it from the LSE instead
-          const int col = rel_block >= 0 ? rel_block : rel.rb.column(key0 + 8 * (r / 2) - (row0 + c));
-          lse2 -= bwd::kLog2e * __ldg(rel.rb.table + col);
+        for (int r = 0; r < 4; ++r) {
+          const int c = 8 * j + r % 2;
+          float lse2 = r % 2 ? l2.y : l2.x;
+          // The bias joins the logit: subtract it from the LSE instead. Element (j, r) is bin j + 1 - r / 2 of
+          // parity r % 2 (RelBiasGrad).
+          if (kRel) lse2 -= bwd::kLog2e * rel.bin_bias(j + 1 - r / 2, r % 2);
+          const float prob = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -lse2));
+          s[j][r] = (c >= first[r / 2]) & (c < end) ? prob : 0.f;
         }
-        const float prob = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -lse2));
-        s[j][r] = (c >= first[r / 2]) & (c < end) ? prob : 0.f;
+        pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
+        pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
       }
-      pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
-      pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
-    }
-    // dV += P^T dO, issued now so that it runs under the dS^T arithmetic: k16 steps are 16 query rows (2048
-    // bytes) of the MN-major dO panels.
-    {
-      const uint64_t do_desc = sm90::desc(do_s, kBlockM * 128);
-      sm90::fence();
-      sm90::fence_operand(dv);
+      // dV += P^T dO, issued now so that it runs under the dS^T arithmetic: k16 steps are 16 query rows (2048
+      // bytes) of the MN-major dO panels.
+      {
+        const uint64_t do_desc = sm90::desc(do_s, kBlockM * 128);
+        sm90::fence();
+        sm90::fence_operand(dv);
 #pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk)
-        sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc_add(do_desc, kk * 2048), true);
-      sm90::commit();
-    }
+        for (int kk = 0; kk < kBlockM / 16; ++kk)
+          sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc_add(do_desc, kk * 2048), true);
+        sm90::commit();
+      }
 
-    // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q, the dS^T tile for dQ and the d rel_bias
-    // sums.
-    sm90::wait<1>();  // dP^T (dV may still run)
-    sm90::fence_operand(dp);
-    float rel_sum = 0.f;
+      // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q, the dS^T tile for dQ and the d rel_bias
+      // sums.
+      sm90::wait<1>();  // dP^T (dV may still run)
+      sm90::fence_operand(dp);
 #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
-      float2 dsc = *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t);
-      dsc.x *= p.softmax_scale;
-      dsc.y *= p.softmax_scale;
-      float ds[4];
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        float2 dsc = *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t);
+        dsc.x *= p.softmax_scale;
+        dsc.y *= p.softmax_scale;
+        float ds[4];
 #pragma unroll
-      for (int r = 0; r < 4; ++r) ds[r] = s[j][r] * fmaf(dp[j][r], p.softmax_scale, r % 2 ? -dsc.y : -dsc.x);
-      if (rel.rb.table) {
-        if (rel_block < 0) {
-          rel.step(j, ds);
-        } else {
-          rel_sum += (ds[0] + ds[1]) + (ds[2] + ds[3]);
+        for (int r = 0; r < 4; ++r) ds[r] = s[j][r] * fmaf(dp[j][r], p.softmax_scale, r % 2 ? -dsc.y : -dsc.x);
+        if (kRel) rel.step(j, ds);
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const uint32_t packed = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
+          dsa[j / 2][(j % 2) * 2 + h2] = packed;
+          // Key row kr = dst_row + 16 warp + g + 8 h2 of the dS^T tile: its 16-byte chunk j % 8 of a panel sits at
+          // chunk (j % 8) ^ g, and panel_offset(kRows, kr, 2t) carries g in address bits 4..6, so one XOR reaches
+          // it (keeps ptxas from holding 8 swizzled offsets per row in registers across the loop).
+          const uint32_t row = dst + sm90::panel_offset(kRows, dst_row + 16 * warp + g + 8 * h2, 2 * t);
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kRows * 128), "r"(packed));
         }
       }
-#pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const uint32_t packed = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
-        dsa[j / 2][(j % 2) * 2 + h2] = packed;
-        // Key row kr = dst_row + 16 warp + g + 8 h2 of the dS^T tile: its 16-byte chunk j % 8 of a panel sits at
-        // chunk (j % 8) ^ g, and panel_offset(kRows, kr, 2t) carries g in address bits 4..6, so one XOR reaches
-        // it (keeps ptxas from holding 8 swizzled offsets per row in registers across the loop).
-        const uint32_t row = dst + sm90::panel_offset(kRows, dst_row + 16 * warp + g + 8 * h2, 2 * t);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kRows * 128), "r"(packed));
-      }
-    }
-    if (rel.rb.table) {
-      if (rel_block < 0) {
-        rel.finish(kBlockM / 8);
-      } else {
-        rel.add_block(rel_block, rel_sum);
-      }
+      if (kRel) rel.finish();
+    };
+    if constexpr (!Tr::kSplitRel) {
+      pointwise(rel.rb.table != nullptr);
+    } else if (rel.rb.table) {
+      pointwise(std::true_type{});
+    } else {
+      pointwise(std::false_type{});
     }
     sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
     if constexpr (Tr::kSharedDq) {
@@ -345,6 +346,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc_add(q_desc, kk * 2048), true);
     sm90::commit();
+    if (rel.rb.table) rel.commit();  // d rel_bias under the dQ and dK wgmmas
     sm90::wait<1>();  // dQ (and dV) done; dK runs under the dQ tile stores
     sm90::fence_operand(dq);
     if (it > 0) sm90::mbar_wait(dq_empty(tile_w), (it - 1) & 1);  // the reducer has read the previous tile

@@ -45,7 +45,7 @@ cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
   BwdParams pk = p;  // + where the d rel_bias sums live
-  const int smem = bwd::rel_bias_smem(pk, Tr::kSmemBytes);
+  const int smem = bwd::rel_bias_smem(pk, Tr::kSmemBytes, Tr::kRelJ);
   err = allow_smem(kernel, smem);
   if (err != cudaSuccess) return err;
 
