@@ -42,10 +42,6 @@ struct BwdSm90Traits {
   // 128 queries with the branch-free mask below made ptxas spill and serialise the wgmmas).
   static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = 64;
   static constexpr int kRelJ = kBlockM / 8;  // a consumer warp's tile: 16 keys x kBlockM queries
-  // The pointwise code in two copies, with and without the relative bias, each straight-line (a branch inside the
-  // unrolled loops cuts them into basic blocks the scheduler cannot interleave: 1.25x the d64 backward's time);
-  // at d128 the bias copy's registers make ptxas spill in both, slower than one copy with the branches.
-  static constexpr bool kSplitRel = kHeadDim == 64;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "instantiated head dims");
   static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
   static_assert(kBlockN == 2 * 64, "two consumer warpgroups of 64 keys");
@@ -253,11 +249,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
       first[h] = key >= seq.sk ? INT_MAX : w.row_lo(key) - row0;  // rows >= row_lo see the key (no left window)
     }
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
-    // The pointwise passes, with the bias or not (a std::bool_constant: Tr::kSplitRel; else a runtime bool).
+    // The pointwise passes in two copies, with and without the bias, each straight-line: a branch inside the
+    // unrolled loops cut them into basic blocks the scheduler could not interleave (1.25x the d64 backward's time;
+    // one copy with the branches was 3% slower at d128 too).
     bwd::RelBiasGrad<Tr::kRelJ> rel(s_rel, p, head, seq, 1.f / p.softmax_scale);  // this warp's 16 keys
     rel.begin(p, s_rel, tid / 32, key0 - g, m0, g, t);
     auto pointwise = [&](auto with_bias) {
-      const bool kRel = with_bias;
+      constexpr bool kRel = decltype(with_bias)::value;
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         float2 l2 = *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t);
@@ -269,7 +267,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
           float lse2 = r % 2 ? l2.y : l2.x;
           // The bias joins the logit: subtract it from the LSE instead. Element (j, r) is bin j + 1 - r / 2 of
           // parity r % 2 (RelBiasGrad).
-          if (kRel) lse2 -= bwd::kLog2e * rel.bin_bias(j + 1 - r / 2, r % 2);
+          if constexpr (kRel) lse2 -= bwd::kLog2e * rel.bin_bias(j + 1 - r / 2, r % 2);
           const float prob = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -lse2));
           s[j][r] = (c >= first[r / 2]) & (c < end) ? prob : 0.f;
         }
@@ -300,7 +298,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
         float ds[4];
 #pragma unroll
         for (int r = 0; r < 4; ++r) ds[r] = s[j][r] * fmaf(dp[j][r], p.softmax_scale, r % 2 ? -dsc.y : -dsc.x);
-        if (kRel) rel.step(j, ds);
+        if constexpr (kRel) rel.step(j, ds);
 #pragma unroll
         for (int h2 = 0; h2 < 2; ++h2) {
           const uint32_t packed = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
@@ -312,11 +310,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
           asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kRows * 128), "r"(packed));
         }
       }
-      if (kRel) rel.finish();
+      if constexpr (kRel) rel.finish();
     };
-    if constexpr (!Tr::kSplitRel) {
-      pointwise(rel.rb.table != nullptr);
-    } else if (rel.rb.table) {
+    if (rel.rb.table) {
       pointwise(std::true_type{});
     } else {
       pointwise(std::false_type{});
