@@ -130,6 +130,9 @@ struct RelBiasGrad {
   static constexpr bool kMayBeDirect = true;
 #endif
   static constexpr int kDiags = rel_scratch_diagonals(kJ), kRow = rel_scratch_stride(kJ);
+  // Bin b, parity p of lane (g, t) lands on bank (t (2 kRow - 2) + g + const) % 32: distinct for the 32 lanes when
+  // 2 kRow - 2 is an odd multiple of 8.
+  static_assert(kRow >= kDiags && (2 * kRow - 2) % 16 == 8, "staging rows: every diagonal, conflict-free stores");
   RelBias rb;
   float* sums;     // shared, rb.width floats, zero between flushes; or (p.rel_bias_in_gmem) this head's drel_bias
   float scale;     // d logit = x * scale (the main kernel's dS carries softmax_scale)
