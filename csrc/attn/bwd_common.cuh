@@ -147,6 +147,8 @@ struct RelBiasGrad {
       : rb(p, head, seq.sq, seq.sk),
         sums(p.rel_bias_in_gmem && p.drel_bias ? p.drel_bias + int64_t(head) * rb.width : smem_sums),
         scale(scale_), add_scale(p.rel_bias_in_gmem ? scale_ : 1.f) {}
+  // Whether this launch stages (else p.rel_bias_direct: one add per bin).
+  static __device__ __forceinline__ bool staged(const BwdParams& p) { return !(kMayBeDirect && p.rel_bias_direct); }
   // The staging rows follow the shared sums (or take their place when the sums live in global memory).
   static __device__ __forceinline__ float* staging(const BwdParams& p, float* smem_sums) {
     return smem_sums + (p.rel_bias_in_gmem ? 0 : rel_sums_floats(p.rel_bias_radius));
@@ -156,14 +158,14 @@ struct RelBiasGrad {
   static __device__ __forceinline__ void zero(const BwdParams& p, float* smem_sums, int tid, int threads) {
     if (!p.rel_bias) return;
     const int n = (p.rel_bias_in_gmem ? 0 : rel_sums_floats(p.rel_bias_radius)) +
-                  (kMayBeDirect && p.rel_bias_direct ? 0 : rel_scratch_floats(kJ));
+                  (staged(p) ? rel_scratch_floats(kJ) : 0);
     for (int c = tid; c < n; c += threads) smem_sums[c] = 0.f;
   }
   // A tile of this warp (of 8), its first key and row; lane (g, t).
   __device__ __forceinline__ void begin(const BwdParams& p, float* smem_sums, int warp, int key0, int row0, int g,
                                         int t) {
     base = key0 + g - row0 - 2 * t;
-    if (!(kMayBeDirect && p.rel_bias_direct)) {
+    if (staged(p)) {
       slot = tile::smem_u32(staging(p, smem_sums) + warp * 8 * kRow) + lane_slot();
     }
   }
