@@ -13,11 +13,13 @@
 //     O += P V    wgmma, P from registers (packed from S, no shuffles), V from shared memory (MN-major:
 //                 the descriptor's transpose bit reads V's rows as B's K dimension)
 // Each consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back and places the softmax of block
-// j between the waits for the two, rescaling O once the second has landed (ptxas currently hoists that
-// second wait above the exponentials: docs/design/forward-sm90.md). The consumers never wait for each other,
-// so one's softmax overlaps the other's GEMMs.
+// j between the waits for the two, rescaling O once the second has landed (ptxas places that second wait
+// before the exponentials: docs/design/forward-sm90.md). The consumers take turns issuing their GEMMs (a
+// scheduler barrier), so one's softmax runs under the other's GEMMs. The masked key blocks (a prefix of the
+// walk) and the relative bias are compile-time branches: the loop over the unmasked blocks has no mask code.
 #pragma once
 #include <cmath>
+#include <type_traits>
 
 #include "attn/fwd_math.cuh"
 #include "flash.h"
@@ -149,6 +151,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   auto phase_of = [](int it) { return (it / kStages) & 1; };
   auto issue_qk = [&](int it) {  // S = Q K^T
     sm90::mbar_wait(k_full(stage_of(it)), phase_of(it));
+    sm90::fence();
     const uint64_t k_desc = sm90::desc(sK(stage_of(it)), 16);
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -159,6 +162,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   };
   auto issue_pv = [&](int it) {  // O += P V
     sm90::mbar_wait(v_full(stage_of(it)), phase_of(it));
+    sm90::fence();
     const uint64_t v_desc = sm90::desc(sV(stage_of(it)), kBlockN * 128);
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
@@ -167,49 +171,73 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     sm90::commit();
   };
   const RelBias rb(p, head, seqlen_q, seqlen_k);
-  auto softmax = [&](int it) {  // on S of step it, landed; alpha for O
-    const int n0 = (n_block_max - 1 - it) * kBlockN;
-    if (rb.table) fwd::add_rel_bias(s, rb, fwd::kLog2e / scale_log2, row0 - g, row0 - g + 15, n0, t, row_of);
-    if (!w.covers(m0, m_last, n0, n0 + kBlockN - 1)) fwd::apply_mask(s, w, n0, t, row_of);
+  auto key0 = [&](int it) { return (n_block_max - 1 - it) * kBlockN; };
+  // Whether every (row, key) of step it is visible. The masked steps are a prefix of the walk (the causal
+  // diagonal and the partial last key block come first; the Hopper kernel has no sliding window).
+  auto unmasked = [&](int it) { return w.covers(m0, m_last, key0(it), key0(it) + kBlockN - 1); };
+  // On S of step it, landed; alpha for O. kMasked / kBiased are compile-time, so the loop of unmasked steps
+  // carries no mask code and no branch between the two wgmma waits.
+  auto softmax = [&](int it, auto masked, auto biased) {
+    if constexpr (decltype(biased)::value) {
+      fwd::add_rel_bias(s, rb, fwd::kLog2e / scale_log2, row0 - g, row0 - g + 15, key0(it), t, row_of);
+    }
+    if constexpr (decltype(masked)::value) fwd::apply_mask(s, w, key0(it), t, row_of);
     fwd::softmax_step<Tr>(s, row_max, row_sum, alpha, scale_log2);
   };
 
-  sm90::mbar_wait(q_full, 0);
+  // The two consumers take turns at the tensor cores (FlashAttention-3's scheduler barrier, named barriers
+  // 1 and 2): each waits for its turn before issuing a step's two GEMMs and passes the turn on once they are
+  // issued, so one warpgroup's softmax runs under the other's GEMMs instead of both contending at once.
+  // Warpgroup 0 starts with the turn; warpgroup 1 does not pass it back after its last step, which leaves
+  // both barriers with as many arrivals as waits.
   const int steps = n_block_max - n_block_min;
-  if (steps > 0) {
-    sm90::fence();
-    issue_qk(0);
-    sm90::wait<0>();
-    sm90::fence_operand(s);
-    sm90::mbar_arrive(k_empty(stage_of(0)));
-    softmax(0);  // O is still 0: no rescale
-    fwd::pack_p<Tr>(p_frag, s);
-  }
-  for (int it = 1; it < steps; ++it) {
+  auto await_turn = [&] { sm90::named_barrier_sync(1 + wg, 2 * 128); };
+  auto pass_turn = [&](int it) {
+    if (wg == 0 || it + 1 < steps) sm90::named_barrier_arrive(2 - wg, 2 * 128);
+  };
+  if (wg == 0 && steps > 1) sm90::named_barrier_arrive(1, 2 * 128);
+
+  // One step of the walk (it >= 1): S_it = Q K_it^T and O += P_{it-1} V_{it-1} back to back, the softmax of
+  // S_it between the waits for the two, O rescaled once the second has landed.
+  auto step = [&](int it, auto masked, auto biased) {
     sm90::fence_operand(o);
     sm90::fence_operand(p_frag);
-    sm90::fence();
+    await_turn();
     issue_qk(it);
     issue_pv(it - 1);
+    pass_turn(it);
     sm90::wait<1>();  // S landed; P V may still run
     sm90::fence_operand(s);
     sm90::mbar_arrive(k_empty(stage_of(it)));
-    softmax(it);
+    softmax(it, masked, biased);
     sm90::wait<0>();
     sm90::fence_operand(o);
     sm90::fence_operand(p_frag);
     sm90::mbar_arrive(v_empty(stage_of(it - 1)));
     fwd::rescale_o<Tr>(o, alpha);
     fwd::pack_p<Tr>(p_frag, s);
-  }
-  if (steps > 0) {
+  };
+  auto walk = [&](auto biased) {
+    if (steps == 0) return;
+    issue_qk(0);
+    sm90::wait<0>();
+    sm90::fence_operand(s);
+    sm90::mbar_arrive(k_empty(stage_of(0)));
+    if (unmasked(0)) softmax(0, std::false_type{}, biased);  // O is still 0: no rescale
+    else softmax(0, std::true_type{}, biased);
+    fwd::pack_p<Tr>(p_frag, s);
+    int it = 1;
+    for (; it < steps && !unmasked(it); ++it) step(it, std::true_type{}, biased);
+    for (; it < steps; ++it) step(it, std::false_type{}, biased);
     sm90::fence_operand(o);
     sm90::fence_operand(p_frag);
-    sm90::fence();
     issue_pv(steps - 1);
     sm90::wait<0>();
     sm90::fence_operand(o);
-  }
+  };
+  sm90::mbar_wait(q_full, 0);
+  if (rb.table) walk(std::true_type{});
+  else walk(std::false_type{});
 
   // ---- epilogue: normalise, LSE, O straight from the accumulators ------------------------
   float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;

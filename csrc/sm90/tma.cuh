@@ -45,6 +45,10 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int phase) {
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Arrives at named barrier `id` without waiting (a producer's half of a hand-off to threads that sync on it).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 // ---- TMA ------------------------------------------------------------------------------
 // Loads the box at coordinates (c0..c3) of a 4-D tensor map into shared memory, completing `bytes`
