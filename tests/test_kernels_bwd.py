@@ -199,7 +199,7 @@ def test_sm90_kernel_selected(d, causal, monkeypatch):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper backward kernel runs on compute capability 9.0 only")
     args = _bwd_args(1, 300, 4, 2, d, causal)
-    assert any(f"bwd_sm90::bwd_sm90_kernel<true, {d}>" in name for name in _bwd_kernel_names(args))
+    assert any(f"bwd_sm90::bwd_sm90_kernel<true, {d}," in name for name in _bwd_kernel_names(args))
     monkeypatch.setenv("HF_FLASH_DISABLE_SM90", "1")
     names = _bwd_kernel_names(args)
     assert not any("bwd_sm90" in name for name in names) and any("bwd::bwd_kernel" in name for name in names)

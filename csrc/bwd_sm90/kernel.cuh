@@ -75,7 +75,9 @@ struct TmaMaps {
   CUtensorMap q, dout, k, v, dq_acc;
 };
 
-template <bool kIsBf16, int kHeadDim>
+// kRelBias: T5's relative bias and its gradient (p.rel_bias). A kernel of its own: the bias's registers in the
+// kernel without it made ptxas serialise the d128 wgmmas.
+template <bool kIsBf16, int kHeadDim, bool kRelBias>
 __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
     bwd_sm90_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
                 const float* __restrict__ dsum, int group) {
@@ -108,7 +110,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
   // below).
   float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kBars + (5 + 2 * kStages) * 8);
-  bwd::RelBiasGrad<Tr::kRelJ>::zero(p, s_rel, threadIdx.x, Tr::kThreads);
+  if constexpr (kRelBias) bwd::RelBiasGrad<Tr::kRelJ>::zero(p, s_rel, threadIdx.x, Tr::kThreads);
 
   if (threadIdx.x == 0) {
     sm90::mbar_init(kv_full, 1);
@@ -249,11 +251,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
       first[h] = key >= seq.sk ? INT_MAX : w.row_lo(key) - row0;  // rows >= row_lo see the key (no left window)
     }
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
-    // The pointwise passes in two copies, with and without the bias, each straight-line: a branch inside the
-    // unrolled loops cut them into basic blocks the scheduler could not interleave (1.25x the d64 backward's time;
-    // one copy with the branches was 3% slower at d128 too).
+    // The pointwise passes are straight-line code, the bias's a compile-time variant (kRelBias): a branch on it inside
+    // the unrolled loops cut them into basic blocks the scheduler could not interleave (1.25x the d64 backward's
+    // time; 3% at d128).
     bwd::RelBiasGrad<Tr::kRelJ> rel(s_rel, p, head, seq, 1.f / p.softmax_scale);  // this warp's 16 keys
-    rel.begin(p, s_rel, tid / 32, key0 - g, m0, g, t);
+    if constexpr (kRelBias) rel.begin(p, s_rel, tid / 32, key0 - g, m0, g, t);
     auto pointwise = [&](auto with_bias) {
       constexpr bool kRel = decltype(with_bias)::value;
 #pragma unroll
@@ -312,11 +314,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
       }
       if constexpr (kRel) rel.finish();
     };
-    if (rel.rb.table) {
-      pointwise(std::true_type{});
-    } else {
-      pointwise(std::false_type{});
-    }
+    pointwise(std::bool_constant<kRelBias>{});
     sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
     if constexpr (Tr::kSharedDq) {
       sm90::named_barrier_sync(1, Tr::kConsumerThreads);  // both halves of dS^T written
@@ -342,7 +340,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc_add(q_desc, kk * 2048), true);
     sm90::commit();
-    if (rel.rb.table) rel.commit();  // d rel_bias under the dQ and dK wgmmas
+    if constexpr (kRelBias) rel.commit();  // d rel_bias under the dQ and dK wgmmas
     sm90::wait<1>();  // dQ (and dV) done; dK runs under the dQ tile stores
     sm90::fence_operand(dq);
     if (it > 0) sm90::mbar_wait(dq_empty(tile_w), (it - 1) & 1);  // the reducer has read the previous tile
@@ -366,7 +364,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
     sm90::fence_operand(dv);
     sm90::fence_operand(dk);
     sm90::mbar_arrive(empty(st));  // this thread's wgmmas on stage st and its LSE / D reads are done
-    if (rel.rb.table && mi + 1 == kb.m_count) {  // this head's d rel_bias sums: both warpgroups' adds are done
+    if (kRelBias && mi + 1 == kb.m_count) {  // this head's d rel_bias sums: both warpgroups' adds are done
       sm90::named_barrier_sync(3, Tr::kConsumerThreads);
       rel.flush(p, head, tid, Tr::kConsumerThreads);
       sm90::named_barrier_sync(3, Tr::kConsumerThreads);  // zeroed before the next head's adds

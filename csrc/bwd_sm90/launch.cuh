@@ -13,7 +13,8 @@ namespace hf_flash {
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
   using Tr = bwd_sm90::BwdSm90Traits<kIsBf16, kHeadDim>;
-  auto kernel = &bwd_sm90::bwd_sm90_kernel<kIsBf16, kHeadDim>;
+  auto kernel = p.rel_bias ? &bwd_sm90::bwd_sm90_kernel<kIsBf16, kHeadDim, true>
+                           : &bwd_sm90::bwd_sm90_kernel<kIsBf16, kHeadDim, false>;
   static const bool has_sm90a = sm90::has_sm90a_code(kernel);
   if (!has_sm90a) return cudaErrorNoKernelImageForDevice;
   const bwd::BwdWorkspace ws(p);
