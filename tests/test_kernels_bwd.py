@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hf_flash import reference
+from helpers import cu_seqlens
 
 pytestmark = pytest.mark.gpu
 
@@ -125,8 +126,12 @@ def _bwd_args(b=2, s=2048, h=16, hk=8, d=128, causal=True):
             None)
 
 
-def test_deterministic():
-    """50 runs, bitwise equal (d sinks too); 16 key blocks over 8 dQ copies, so lanes walk 2 blocks each."""
+@pytest.mark.parametrize("kernels", ["default", "mma.sync"])
+def test_deterministic(kernels, monkeypatch):
+    """50 runs, bitwise equal (d sinks too). On the mma.sync kernels (all of them off CC 9.0), 16 key blocks over
+    8 dQ copies, so lanes walk 2 blocks each; on CC 9.0 by default, the Hopper kernel's ordered dQ additions."""
+    if kernels == "mma.sync":
+        monkeypatch.setenv("HF_FLASH_DISABLE_SM90", "1")
     args = _bwd_args()
     sinks = torch.randn(args[1].shape[-2], device="cuda")
     first = torch.ops.hf_flash.bwd(*args, True, sinks)
@@ -186,9 +191,9 @@ def test_grads_long(d, dtype, case):
     _check(*_dense_case(1, sq, sk, h, hk, d, dtype, causal, (-1, -1), 0.0, False))
 
 
-def _bwd_kernel_names(args):
+def _bwd_kernel_names(args, deterministic=False):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        torch.ops.hf_flash.bwd(*args, False)
+        torch.ops.hf_flash.bwd(*args, deterministic)
         torch.cuda.synchronize()
     return {e.key for e in prof.key_averages()}
 
@@ -203,3 +208,40 @@ def test_sm90_kernel_selected(d, causal, monkeypatch):
     monkeypatch.setenv("HF_FLASH_DISABLE_SM90", "1")
     names = _bwd_kernel_names(args)
     assert not any("bwd_sm90" in name for name in names) and any("bwd::bwd_kernel" in name for name in names)
+
+
+# (d, causal, sequence lengths (q, k) per batch row, varlen): several key and query blocks, fully masked rows
+# (causal with sq > sk), GQA 4/2.
+DET_SM90_CASES = [(64, True, [(1100, 1000), (1100, 1000)], False), (128, False, [(517, 1100), (517, 1100)], False),
+                  (128, True, [(1100, 1000), (300, 517), (1, 64)], True), (64, False, [(700, 300), (129, 1)], True)]
+
+
+@pytest.mark.parametrize("d,causal,lens,varlen", DET_SM90_CASES, ids=lambda c: str(c))
+def test_deterministic_sm90(d, causal, lens, varlen):
+    """deterministic=True on the Hopper kernel (csrc/bwd_sm90: dQ added in descending key-block order, a counter per
+    query block): it runs there, 20 runs are bitwise equal, and the gradients match the float32 reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward kernel runs on compute capability 9.0 only")
+    h, hk, dtype = 4, 2, torch.bfloat16
+    lens_q, lens_k = [n for n, _ in lens], [n for _, n in lens]
+    mq, mk = max(lens_q), max(lens_k)
+    if varlen:
+        cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+        q, k, v = _inputs((sum(lens_q), h, d), (sum(lens_k), hk, d), dtype)
+    else:
+        cu_q = cu_k = None
+        q, k, v = _inputs((len(lens), mq, h, d), (len(lens), mk, hk, d), dtype)
+    dout = torch.randn_like(q)
+    opts = (d**-0.5, causal, -1, 0 if causal else -1, 0.0, None, 0.0, None)
+    f32 = [t.float() for t in (q, k, v)]
+    out32, lse = reference.fwd(*f32, cu_q, cu_k, mq, mk, *opts)
+    args = (dout, q, k, v, out32.to(dtype), lse, cu_q, cu_k, mq, mk, *opts)
+    assert any(f"bwd_sm90::bwd_sm90_kernel<true, {d}," in n for n in _bwd_kernel_names(args, deterministic=True))
+    first = torch.ops.hf_flash.bwd(*args, True)[:3]
+    for _ in range(19):
+        assert all(torch.equal(a, b) for a, b in zip(first, torch.ops.hf_flash.bwd(*args, True)[:3]))
+    ref = reference.bwd(dout.float(), *f32, out32, lse, cu_q, cu_k, mq, mk, *opts)
+    default = torch.ops.hf_flash.bwd(*args, False)[:3]  # the same kernel's rounding, added in any order
+    for name, o, r, s in zip(("dq", "dk", "dv"), first, ref, default):
+        err, bound = (o.float() - r).abs().max().item(), 2 * (s.float() - r).abs().max().item() + 1e-4
+        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g} (the default's error, twice)"

@@ -292,6 +292,8 @@ struct BwdWorkspace {
   float* dq_acc;
   size_t dq_copy_floats;
   int copies;
+  int* counters;  // the Hopper backward's dQ order (deterministic mode; else nullptr)
+  size_t n_counters;
   explicit BwdWorkspace(const BwdParams& p) {
     const WorkspaceLayout ws(p);
     auto* base = static_cast<unsigned char*>(p.workspace);
@@ -299,12 +301,15 @@ struct BwdWorkspace {
     dq_acc = reinterpret_cast<float*>(base + ws.dq_offset);
     dq_copy_floats = ws.dq_copy_floats;
     copies = dq_copies(p);
+    n_counters = ws.counters;
+    counters = n_counters ? reinterpret_cast<int*>(base + ws.counters_offset) : nullptr;
   }
 };
 
 template <bool kIsBf16, int kHeadDim>
 cudaError_t bwd_prologue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(ws.dq_acc, 0, sizeof(float) * ws.dq_copy_floats * ws.copies, stream);
+  if (err == cudaSuccess && ws.counters) err = cudaMemsetAsync(ws.counters, 0, sizeof(int) * ws.n_counters, stream);
   if (err == cudaSuccess && p.rel_bias) {
     err = cudaMemsetAsync(p.drel_bias, 0, sizeof(float) * p.h * (2 * p.rel_bias_radius + 1), stream);
   }
@@ -367,6 +372,18 @@ __device__ __forceinline__ KeyBlock query_blocks(const BwdParams& p, const Seq& 
   const int m_begin = m_lo / kBlockM;
   return {n0, m_begin, m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0};
 }
+// Deterministic dQ on Hopper: the key blocks that add into query block m are 0 .. last_key_block(m) (query_blocks
+// starts later for later key blocks and runs to the end: no left window there). They add in descending order,
+// the one that reaches m first (causal: its diagonal block) first, so key block n is the (last - n)-th to add.
+template <int kBlockN, int kBlockM>
+__device__ __forceinline__ int last_key_block(const BwdParams& p, const Seq& seq, int m) {
+  const KeyWindow w(p, seq.sq, seq.sk);
+  // Key block n reaches m iff row_lo(n kBlockN) < (m + 1) kBlockM, i.e. n kBlockN < (m + 1) kBlockM + hi_off.
+  const int x = (m + 1) * kBlockM + w.hi_off;
+  const int last = x > 0 ? (x + kBlockN - 1) / kBlockN - 1 : -1;
+  return min(last, (seq.sk + kBlockN - 1) / kBlockN - 1);
+}
+
 // The start of a key block, shared by the sm80 main kernels: K and V into smem (one cp.async group) and its
 // query blocks.
 template <class Tr>

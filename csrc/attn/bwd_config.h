@@ -12,8 +12,11 @@ namespace bwd {
 constexpr int kThreads = 256;  // 8 warps
 // Keys per CTA: 128 up to d128, 64 up to d256, 32 above (dK/dV accumulators and smem: 205 KB at d512).
 __host__ __device__ constexpr int block_n(int d) { return d <= 128 ? 128 : d <= 256 ? 64 : 32; }
-// Deterministic mode: at most this many private fp32 dQ accumulators.
+// Deterministic mode: at most this many private fp32 dQ accumulators (mma.sync kernels).
 constexpr int kMaxDqCopies = 8;
+// Query rows per block of the Hopper backward: its deterministic mode keeps one dQ-order counter per (batch, query
+// head, block of these rows).
+constexpr int kSm90BlockM = 64;
 
 inline int num_n_blocks(const BwdParams& p) { return (p.seqlen_k + block_n(p.d) - 1) / block_n(p.d); }
 
@@ -58,15 +61,18 @@ inline int rel_bias_smem(BwdParams& p, int tile_bytes, int kJ) {
 }
 
 // Workspace: D = rowsum(dO * O) as (h, total_q) floats, then the dQ copies as
-// (copy, total_q, h, d) floats, each part 256-byte aligned.
+// (copy, total_q, h, d) floats, then (deterministic mode) the Hopper backward's dQ-order counters as
+// (b, h, ceil(seqlen_q / kSm90BlockM)) ints, each part 256-byte aligned.
 struct WorkspaceLayout {
-  size_t dsum_offset, dq_offset, dq_copy_floats, bytes;
+  size_t dsum_offset, dq_offset, dq_copy_floats, counters_offset, counters, bytes;
   explicit WorkspaceLayout(const BwdParams& p) {
     auto align = [](size_t x) { return (x + 255) / 256 * 256; };
     dsum_offset = 0;
     dq_offset = align(sizeof(float) * size_t(p.h) * p.total_q);
     dq_copy_floats = size_t(p.total_q) * p.h * p.d;
-    bytes = dq_offset + align(sizeof(float) * dq_copy_floats * dq_copies(p));
+    counters_offset = dq_offset + align(sizeof(float) * dq_copy_floats * dq_copies(p));
+    counters = p.deterministic ? size_t(p.b) * p.h * ((p.seqlen_q + kSm90BlockM - 1) / kSm90BlockM) : 0;
+    bytes = counters_offset + align(sizeof(int) * counters);
   }
 };
 

@@ -1,5 +1,6 @@
 // FlashAttention backward main kernel on Hopper (sm_90a), warp-specialised, d64 and d128 (a relative bias too), no
-// softcap / ALiBi / window / dropout / deterministic mode (csrc/bwd handles those and every other GPU). Same preprocess, fp32 dQ
+// softcap / ALiBi / window / dropout (csrc/bwd handles those and every other GPU); deterministic mode orders the dQ
+// additions with a counter per query block (below). Same preprocess, fp32 dQ
 // accumulator, convert kernel and LSE / D conventions as csrc/bwd (attn/bwd_common.cuh; csrc/bwd.cu picks the kernel).
 //
 // One CTA (3 warpgroups) per (block of 128 keys, kv head, batch); K, V resident in smem, loop over the query
@@ -40,7 +41,7 @@ template <bool kIsBf16, int kHeadDim>
 struct BwdSm90Traits {
   // 128 keys x 64 queries: dK, dV and S^T, dP^T (or dQ) fit in 240 registers with room for the scheduler (at d64,
   // 128 queries with the branch-free mask below made ptxas spill and serialise the wgmmas).
-  static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = 64;
+  static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = bwd::kSm90BlockM;
   static constexpr int kRelJ = kBlockM / 8;  // a consumer warp's tile: 16 keys x kBlockM queries
   static_assert(kHeadDim == 64 || kHeadDim == 128, "instantiated head dims");
   static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
@@ -80,7 +81,7 @@ struct TmaMaps {
 template <bool kIsBf16, int kHeadDim, bool kRelBias>
 __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
     bwd_sm90_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
-                const float* __restrict__ dsum, int group) {
+                const float* __restrict__ dsum, int* __restrict__ dq_order, int group) {
 #ifdef HF_SM90_ENABLED
   using Tr = BwdSm90Traits<kIsBf16, kHeadDim>;
   constexpr int kD = kHeadDim, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
@@ -103,7 +104,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
   const sm90::SectionTile cta = sm90::section_tile(p.h_k * p.b, n_blocks, group);
   const int hk = cta.pair % p.h_k, b = cta.pair / p.h_k, groups = p.h / p.h_k;
   const bwd::Seq seq(p, b);
-  const int n0 = cta.block * kBlockN;
+  // Deterministic mode (dq_order: a counter per (batch, query head, query block)) adds dQ in descending key-block
+  // order (bwd::last_key_block), so the grid runs the last key block first: a CTA only ever waits for CTAs that
+  // started before it.
+  const int n_block = dq_order ? n_blocks - 1 - cta.block : cta.block;
+  const int n0 = n_block * kBlockN;
   if (n0 >= seq.sk) return;  // varlen: past this sequence's keys (the whole CTA)
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
   const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner
@@ -135,15 +140,25 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
       // Rows past a dense batch's seqlen_q fall outside the map (dropped); varlen rows past a sequence add 0.
       const int row0 = p.cu_seqlens_q ? seq.ws0 : 0;
       int head = hk * groups, mi = 0;
+      const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;  // per (batch, head) in dq_order
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it) {
+        const int m = kb.m_begin + mi;
+        int* order = dq_order ? dq_order + (int64_t(b) * p.h + head) * m_blocks + m : nullptr;
+        // Deterministic: wait for the adds of the key blocks after this one (both tiles of each at d64).
+        if (order) sm90::counter_wait_eq(order, Tr::kDqTiles * (bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block) + w);
         sm90::mbar_wait(dq_full(w), it & 1);
         for (int panel = 0; panel < kD / 32; ++panel) {
           sm90::tma_reduce_add_4d(&maps.dq_acc, sDq(w) + panel * kBlockM * 128, panel * 32, head,
-                                  row0 + (kb.m_begin + mi) * kBlockM, tma_b);
+                                  row0 + m * kBlockM, tma_b);
         }
         sm90::bulk_commit();
-        sm90::bulk_wait_read<0>();  // the tile may be overwritten
+        if (order) {
+          sm90::bulk_wait<0>();  // the additions are done: the next key block may add
+          sm90::counter_release_inc(order);
+        } else {
+          sm90::bulk_wait_read<0>();  // the tile may be overwritten
+        }
         sm90::mbar_arrive(dq_empty(w));
         mi = mi + 1 < kb.m_count ? mi + 1 : 0;
         head += mi == 0;

@@ -17,7 +17,8 @@ cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
                            : &bwd_sm90::bwd_sm90_kernel<kIsBf16, kHeadDim, false>;
   static const bool has_sm90a = sm90::has_sm90a_code(kernel);
   if (!has_sm90a) return cudaErrorNoKernelImageForDevice;
-  const bwd::BwdWorkspace ws(p);
+  bwd::BwdWorkspace ws(p);
+  ws.copies = 1;  // one dQ accumulator (deterministic mode orders the additions instead: kernel.cuh)
   const bool varlen = p.cu_seqlens_q != nullptr;
   // A varlen tensor is one batch of its total rows.
   const int batches = varlen ? 1 : p.b, rows_q = varlen ? p.total_q : p.seqlen_q;
@@ -56,7 +57,7 @@ cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
   const int n_blocks = bwd::num_n_blocks(p), pairs = p.h_k * p.b;
   const int group = sm90::section_group(p.window_right == 0, pairs, n_blocks, p.num_sms,
                                         int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2);
-  kernel<<<n_blocks * pairs, Tr::kThreads, smem, stream>>>(pk, maps, ws.dsum, group);
+  kernel<<<n_blocks * pairs, Tr::kThreads, smem, stream>>>(pk, maps, ws.dsum, ws.counters, group);
   return bwd::bwd_epilogue<kIsBf16, kHeadDim>(p, ws, stream);
 }
 

@@ -77,6 +77,23 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 template <int kPending>
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory"); }
 
+// ---- ordering bulk global writes across CTAs (a counter in global memory) --------------------
+// Spins until *counter == value (acquire at GPU scope), then orders this thread's later bulk (async-proxy) global
+// operations after what the releasing threads wrote before their release.
+__device__ __forceinline__ void counter_wait_eq(const int* counter, int value) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+  } while (seen != value);
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+// Once this thread's bulk groups have completed (bulk_wait<0>): makes their global writes visible to the next
+// counter_wait_eq and adds 1 (release at GPU scope).
+__device__ __forceinline__ void counter_release_inc(int* counter) {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
+}
+
 // ---- register reallocation between warpgroups ----------------------------------------------
 template <int kRegs>
 __device__ __forceinline__ void regs_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs)); }
