@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Compile-checks every kernel translation unit with bare nvcc (no torch headers) for sm_80 and sm_90a, then
+# Compile-checks every kernel translation unit with bare nvcc (no torch headers) for sm_80 and sm_90a (failing
+# where ptxas serialises a kernel's wgmmas, warning C7512: a Hopper kernel that lost its overlap), then
 # links the objects of each build that HF_FLASH_DISABLE_{FORWARD,BACKWARD} allows (tools/check_symbols.py):
 # every hf_flash function a kept object or csrc/binding.cpp needs must be defined in that build.
 # Usage: tools/check_kernels.sh [jobs]
@@ -26,7 +27,8 @@ printf '%s\n' "${jobs_list[@]}" | OBJ=$obj xargs -P "$jobs" -I{} sh -c '
   f=${1%%|*} off=${1#*|} base=$(basename "$f" .cu)
   if [ -n "$off" ]; then out=$OBJ/top__$base.$off.o; else out=$OBJ/$(basename "$(dirname "$f")")__$base.o; fi
   def=""; [ -n "$off" ] && [ "$off" != none ] && def="-DHF_FLASH_DISABLE_$off"
-  nvcc -std=c++17 -O3 -Icsrc --expt-relaxed-constexpr $def -gencode=arch=compute_80,code=sm_80 \
-       -gencode=arch=compute_90a,code=sm_90a -c "$f" -o "$out" || { echo "FAILED: $f $def"; exit 255; }' _ {}
+  log=$(nvcc -std=c++17 -O3 -Icsrc --expt-relaxed-constexpr $def -gencode=arch=compute_80,code=sm_80 \
+       -gencode=arch=compute_90a,code=sm_90a -c "$f" -o "$out" 2>&1) || { echo "$log"; echo "FAILED: $f $def"; exit 255; }
+  if echo "$log" | grep -q C7512; then echo "$log" | grep C7512; echo "FAILED: $f $def: wgmmas serialised"; exit 255; fi' _ {}
 echo "check_kernels: compiled in $((SECONDS - start))s"
 python3 tools/check_symbols.py "$obj"
