@@ -13,12 +13,11 @@ bool use_sm90(const FwdParams& p) {
   return p.arch == 90 && !(off && std::strcmp(off, "1") == 0);
 }
 
-// The Hopper kernel covers dense and varlen attention, causal or not, at d64 / d128; softcap, sliding
-// windows, ALiBi, dropout, KV-cache rows (seqused_k) and other head dims run the mma.sync kernel.
+// The Hopper kernel covers dense and varlen attention at d64 / d128, full, causal or within a (sliding) window;
+// softcap, ALiBi, dropout, KV-cache rows (seqused_k) and other head dims run the mma.sync kernel.
 bool fwd_sm90_supports(const FwdParams& p) {
-  const bool causal_or_full = p.window_left < 0 && (p.window_right < 0 || p.window_right == 0);
-  return (p.d == 64 || p.d == 128) && causal_or_full && p.softcap == 0.f && p.alibi_slopes == nullptr &&
-         p.dropout_p == 0.f && p.seqused_k == nullptr && p.leftpad_k == nullptr;
+  return (p.d == 64 || p.d == 128) && p.softcap == 0.f && p.alibi_slopes == nullptr && p.dropout_p == 0.f &&
+         p.seqused_k == nullptr && p.leftpad_k == nullptr;
 }
 
 #ifndef HF_FLASH_DISABLE_FORWARD

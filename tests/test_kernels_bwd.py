@@ -191,6 +191,19 @@ def test_grads_long(d, dtype, case):
     _check(*_dense_case(1, sq, sk, h, hk, d, dtype, causal, (-1, -1), 0.0, False))
 
 
+# Sliding and local windows on the Hopper kernel's head dims: edges inside and across its 128-key / 64-row blocks,
+# a window of one key, rows that see no key (sq > sk).
+WINDOW_CASES = [(1000, 1000, (200, 0)), (700, 1100, (64, 64)), (1100, 700, (127, 0)), (517, 517, (0, 0)),
+                (300, 900, (-1, 100))]
+
+
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"sq{c[0]}-sk{c[1]}-w{c[2][0]}_{c[2][1]}")
+def test_grads_long_windows(d, case):
+    sq, sk, window = case
+    _check(*_dense_case(1, sq, sk, 4, 2, d, torch.bfloat16, False, window, 0.0, False))
+
+
 def _bwd_kernel_names(args, deterministic=False):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.ops.hf_flash.bwd(*args, deterministic)
@@ -210,14 +223,17 @@ def test_sm90_kernel_selected(d, causal, monkeypatch):
     assert not any("bwd_sm90" in name for name in names) and any("bwd::bwd_kernel" in name for name in names)
 
 
-# (d, causal, sequence lengths (q, k) per batch row, varlen): several key and query blocks, fully masked rows
-# (causal with sq > sk), GQA 4/2.
-DET_SM90_CASES = [(64, True, [(1100, 1000), (1100, 1000)], False), (128, False, [(517, 1100), (517, 1100)], False),
-                  (128, True, [(1100, 1000), (300, 517), (1, 64)], True), (64, False, [(700, 300), (129, 1)], True)]
+# (d, window (left, right), sequence lengths (q, k) per batch row, varlen): several key and query blocks, fully
+# masked rows (causal with sq > sk), a sliding window, GQA 4/2.
+DET_SM90_CASES = [(64, (-1, 0), [(1100, 1000), (1100, 1000)], False),
+                  (128, (-1, -1), [(517, 1100), (517, 1100)], False),
+                  (128, (-1, 0), [(1100, 1000), (300, 517), (1, 64)], True),
+                  (64, (-1, -1), [(700, 300), (129, 1)], True),
+                  (128, (200, 0), [(1000, 1000)], False)]
 
 
-@pytest.mark.parametrize("d,causal,lens,varlen", DET_SM90_CASES, ids=lambda c: str(c))
-def test_deterministic_sm90(d, causal, lens, varlen):
+@pytest.mark.parametrize("d,window,lens,varlen", DET_SM90_CASES, ids=lambda c: str(c))
+def test_deterministic_sm90(d, window, lens, varlen):
     """deterministic=True on the Hopper kernel (csrc/bwd_sm90: dQ added in descending key-block order, a counter per
     query block): it runs there, 20 runs are bitwise equal, and the gradients match the float32 reference."""
     if torch.cuda.get_device_capability() != (9, 0):
@@ -232,7 +248,7 @@ def test_deterministic_sm90(d, causal, lens, varlen):
         cu_q = cu_k = None
         q, k, v = _inputs((len(lens), mq, h, d), (len(lens), mk, hk, d), dtype)
     dout = torch.randn_like(q)
-    opts = (d**-0.5, causal, -1, 0 if causal else -1, 0.0, None, 0.0, None)
+    opts = (d**-0.5, window == (-1, 0), *window, 0.0, None, 0.0, None)
     f32 = [t.float() for t in (q, k, v)]
     out32, lse = reference.fwd(*f32, cu_q, cu_k, mq, mk, *opts)
     args = (dout, q, k, v, out32.to(dtype), lse, cu_q, cu_k, mq, mk, *opts)

@@ -1,4 +1,5 @@
-"""The Hopper (wgmma) forward kernel: that it runs where it should, and the edges of its 128 x 128 tiles.
+"""The Hopper (wgmma) forward kernel: that it runs where it should, the edges of its 128 x 128 tiles and of
+sliding windows.
 test_kernels_fwd.py runs the whole forward grid with it active on CC 9.0; these cases add tile edges and
 compare it with the mma.sync kernel (HF_FLASH_DISABLE_SM90=1) on the same inputs."""
 
@@ -32,8 +33,9 @@ def run_sm80(monkeypatch, fn):
 
 @pytest.mark.parametrize("d,window,softcap,expect_sm90", [
     (128, (-1, -1), 0.0, True), (64, (-1, 0), 0.0, True),  # plain and causal
+    (128, (64, 0), 0.0, True), (64, (32, 32), 0.0, True),  # sliding and local windows
     (96, (-1, -1), 0.0, False), (256, (-1, -1), 0.0, False),  # other head dims
-    (128, (64, 0), 0.0, False), (128, (-1, -1), 30.0, False),  # sliding window, softcap
+    (128, (-1, -1), 30.0, False),  # softcap
 ])
 def test_dispatch(monkeypatch, d, window, softcap, expect_sm90):
     q, k, v = (randn(1, 300, 2, d, dtype=torch.bfloat16) for _ in range(3))
@@ -53,6 +55,21 @@ def test_tile_edges(monkeypatch, dtype, d, sq, sk, causal):
     out, lse = check_dense(q, k, v, causal=causal)
     out80, lse80 = run_sm80(monkeypatch, lambda: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2])
     torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)
+
+
+# Windows whose edges fall inside, on and across the 128-key blocks, a window past every key, a window of one key;
+# sq != sk moves the diagonal (bottom-right aligned), so some rows see no key.
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", [(1, 0), (127, 0), (128, 0), (200, 64), (0, 0), (-1, 50), (3000, 0)])
+@pytest.mark.parametrize("sq,sk", [(1000, 1000), (300, 700), (700, 300)])
+def test_windows(monkeypatch, d, window, sq, sk):
+    q = randn(1, sq, 4, d, dtype=torch.bfloat16)
+    k, v = randn(1, sk, 2, d, dtype=torch.bfloat16), randn(1, sk, 2, d, dtype=torch.bfloat16)
+    out, lse = check_dense(q, k, v, window=window)
+    out80, lse80 = run_sm80(monkeypatch, lambda: flash_attn_func(q, k, v, window_size=window,
+                                                                 return_attn_probs=True)[:2])
+    assert torch.equal(lse.isposinf(), lse80.isposinf())
     torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)
 
 

@@ -372,9 +372,9 @@ __device__ __forceinline__ KeyBlock query_blocks(const BwdParams& p, const Seq& 
   const int m_begin = m_lo / kBlockM;
   return {n0, m_begin, m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0};
 }
-// Deterministic dQ on Hopper: the key blocks that add into query block m are 0 .. last_key_block(m) (query_blocks
-// starts later for later key blocks and runs to the end: no left window there). They add in descending order,
-// the one that reaches m first (causal: its diagonal block) first, so key block n is the (last - n)-th to add.
+// Deterministic dQ on Hopper: the key blocks that add into query block m end at last_key_block(m) (query_blocks
+// starts and ends later for later key blocks, so they are a contiguous run). They add in descending order, the one
+// that reaches m first (causal: its diagonal block) first, so key block n is the (last - n)-th to add.
 template <int kBlockN, int kBlockM>
 __device__ __forceinline__ int last_key_block(const BwdParams& p, const Seq& seq, int m) {
   const KeyWindow w(p, seq.sq, seq.sk);

@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
   // ---- consumers -------------------------------------------------------------------------------
   sm90::regs_alloc<Tr::kConsumerRegs>();
   const int tid = threadIdx.x - 128, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const KeyWindow w(p, seq.sq, seq.sk);  // causal or none: bwd_sm90_supports rules out windows
+  const KeyWindow w(p, seq.sq, seq.sk);
   float dv[kD / 8][4] = {}, dk[kD / 8][4] = {};  // this warpgroup's 64 keys (GQA: summed over the group)
   const int key0 = n0 + 64 * wg + 16 * warp + g;  // this thread's keys: key0, key0 + 8
   // dQ: this warpgroup's dS^T rows (kSharedDq: the keys of both warpgroups), its dQ columns (col0..col0 + 63),
@@ -252,18 +252,19 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
     gemm_keys(sK, q_s, s);
     gemm_keys(sV, do_s, dp);
 
-    // P^T (masked: causal diagonal, sequence ends) into the A fragments of dV += P^T dO.
+    // P^T (masked: causal diagonal, window edges, sequence ends) into the A fragments of dV += P^T dO.
     sm90::wait<1>();
     sm90::fence_operand(s);
-    // Mask: P^T element (key0 + 8 h, row0 + c), c = 8 j + r % 2, h = r / 2, is visible iff first[h] <= c < end,
-    // a branch-free compare pair against an immediate c (short-circuit row / key tests compile to one small
-    // branch per element, each a stall before dV can issue).
-    const int row0 = m0 + 2 * t, end = seq.sq - row0;
-    int first[2];
+    // Mask: P^T element (key0 + 8 h, row0 + c), c = 8 j + r % 2, h = r / 2, is visible iff first <= c - 8 h and
+    // c < last[h] (rows row_lo .. row_hi see a key, and row_lo moves with it), a branch-free compare pair against
+    // immediates (short-circuit row / key tests compile to one small branch per element, each a stall before dV
+    // can issue); three registers, as many as without windows.
+    const int row0 = m0 + 2 * t, first = w.row_lo(key0) - row0;
+    int last[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = key0 + 8 * h;
-      first[h] = key >= seq.sk ? INT_MAX : w.row_lo(key) - row0;  // rows >= row_lo see the key (no left window)
+      last[h] = key >= seq.sk ? INT_MIN : min(seq.sq, w.row_hi(key) + 1) - row0;
     }
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
     // The pointwise passes are straight-line code, the bias's a compile-time variant (kRelBias): a branch on it inside
@@ -286,7 +287,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
           // parity r % 2 (RelBiasGrad).
           if constexpr (kRel) lse2 -= bwd::kLog2e * rel.bin_bias(j + 1 - r / 2, r % 2);
           const float prob = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -lse2));
-          s[j][r] = (c >= first[r / 2]) & (c < end) ? prob : 0.f;
+          s[j][r] = (c - 8 * (r / 2) >= first) & (c < last[r / 2]) ? prob : 0.f;
         }
         pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
         pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);

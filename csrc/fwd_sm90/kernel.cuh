@@ -1,5 +1,5 @@
-// FlashAttention forward on Hopper warpgroup MMA (wgmma, sm_90a), for the plain cases (see
-// fwd_sm90_supports in run_fwd.cu); the mma.sync kernel in fwd/ covers the rest.
+// FlashAttention forward on Hopper warpgroup MMA (wgmma, sm_90a), for the cases fwd_sm90_supports (csrc/fwd.cu)
+// names: causal, sliding-window or full attention, sinks, relative bias; the mma.sync kernel in fwd/ covers the rest.
 //
 // One CTA owns kBlockM = 128 query rows of one (batch, head) and three warpgroups:
 //   producer  (24 registers): one thread issues TMA loads of Q once and of K / V per key block into
@@ -15,7 +15,7 @@
 // Each consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back and places the softmax of block
 // j between the waits for the two, rescaling O once the second has landed (ptxas places that second wait
 // before the exponentials: docs/design/forward-sm90.md). The consumers take turns issuing their GEMMs (a
-// scheduler barrier), so one's softmax runs under the other's GEMMs. The masked key blocks (a prefix of the
+// scheduler barrier), so one's softmax runs under the other's GEMMs. The masked key blocks (the ends of the
 // walk) and the relative bias are compile-time branches: the loop over the unmasked blocks has no mask code.
 #pragma once
 #include <cmath>
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const RelBias rb(p, head, seqlen_q, seqlen_k);
   auto key0 = [&](int it) { return (n_block_max - 1 - it) * kBlockN; };
   // Whether every (row, key) of step it is visible. The masked steps are a prefix of the walk (the causal
-  // diagonal and the partial last key block come first; the Hopper kernel has no sliding window).
+  // diagonal or a window's right edge, and the partial last key block) and a suffix (a window's left edge).
   auto unmasked = [&](int it) { return w.covers(m0, m_last, key0(it), key0(it) + kBlockN - 1); };
   // On S of step it, landed; alpha for O. kMasked / kBiased are compile-time, so the loop of unmasked steps
   // carries no mask code and no branch between the two wgmma waits.
@@ -228,7 +228,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     fwd::pack_p<Tr>(p_frag, s);
     int it = 1;
     for (; it < steps && !unmasked(it); ++it) step(it, std::true_type{}, biased);
-    for (; it < steps; ++it) step(it, std::false_type{}, biased);
+    for (; it < steps && unmasked(it); ++it) step(it, std::false_type{}, biased);
+    for (; it < steps; ++it) step(it, std::true_type{}, biased);  // a sliding window's left edge
     sm90::fence_operand(o);
     sm90::fence_operand(p_frag);
     issue_pv(steps - 1);
