@@ -226,10 +226,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (unmasked(0)) softmax(0, std::false_type{}, biased);  // O is still 0: no rescale
     else softmax(0, std::true_type{}, biased);
     fwd::pack_p<Tr>(p_frag, s);
-    int it = 1;
-    for (; it < steps && !unmasked(it); ++it) step(it, std::true_type{}, biased);
-    for (; it < steps && unmasked(it); ++it) step(it, std::false_type{}, biased);
-    for (; it < steps; ++it) step(it, std::true_type{}, biased);  // a sliding window's left edge
+    // The masked steps one at a time, the unmasked ones in a loop of their own (one instance of each step: a
+    // third for the window's left edge made ptxas spill with three consumer warpgroups).
+    for (int it = 1; it < steps;) {
+      if (!unmasked(it)) {
+        step(it++, std::true_type{}, biased);
+      } else {
+        for (; it < steps && unmasked(it); ++it) step(it, std::false_type{}, biased);
+      }
+    }
     sm90::fence_operand(o);
     sm90::fence_operand(p_frag);
     issue_pv(steps - 1);
