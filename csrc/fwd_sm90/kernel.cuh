@@ -1,11 +1,11 @@
 // FlashAttention forward on Hopper warpgroup MMA (wgmma, sm_90a), for the cases fwd_sm90_supports (csrc/fwd.cu)
 // names: causal, sliding-window or full attention, sinks, relative bias; the mma.sync kernel in fwd/ covers the rest.
 //
-// One CTA owns kBlockM = 128 query rows of one (batch, head) and three warpgroups:
+// One CTA owns kBlockM = 128 (or 192) query rows of one (batch, head) and three (or four) warpgroups:
 //   producer  (24 registers): one thread issues TMA loads of Q once and of K / V per key block into
 //             two-stage rings, each stage guarded by a "full" mbarrier (TMA bytes landed) and an "empty"
 //             one (both consumers done with it);
-//   consumers (240 registers): 64 query rows each, one m64 wgmma tile. They walk the visible key blocks
+//   consumers (240 registers; 160 with three): 64 query rows each, one m64 wgmma tile. They walk the visible key blocks
 //             from the last to the first like fwd/kernel.cuh. Per key block:
 //     S = Q K^T   wgmma, Q and K from shared memory (both K-major)
 //     relative bias, mask, online softmax in registers on the accumulator layout (the sm80 helpers: per warp the wgmma
@@ -30,12 +30,15 @@
 namespace hf_flash {
 namespace fwd_sm90 {
 
-template <bool kIsBf16_, int kHeadDim_>
+// kConsumers warpgroups of 64 query rows: 2, or 3 (192-row CTAs; d64 only, where their registers fit; the
+// launch picks, fwd_sm90/launch.cuh).
+template <bool kIsBf16_, int kHeadDim_, int kConsumers_ = 2>
 struct FwdSm90Traits {
   static constexpr bool kIsBf16 = kIsBf16_;
   using T = typename tile::Elem<kIsBf16>::T;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kConsumers = 2;                  // warpgroups of 64 query rows
+  static constexpr int kConsumers = kConsumers_;
+  static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64), "instantiated shapes");
   static constexpr int kThreads = (kConsumers + 1) * 128;  // + the producer warpgroup
   static constexpr int kBlockM = kConsumers * 64;       // query rows per CTA
   static constexpr int kBlockN = 128;                   // keys per main-loop step
@@ -43,7 +46,8 @@ struct FwdSm90Traits {
   // Per-warp view for the sm80 softmax helpers: one 16-row slab, n8 tiles of S and of O.
   static constexpr int kMTiles = 1, kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
   // Registers per thread after setmaxnreg: 128 * 24 + kConsumers * 128 * kConsumerRegs <= 64K.
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 3 ? 160 : 240;
+  static_assert(128 * kProducerRegs + kConsumers * 128 * kConsumerRegs <= 65536, "register file");
 
   // Shared memory: Q, then K and V of each stage (swizzled wgmma tiles), then the mbarriers.
   static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
@@ -191,11 +195,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // Warpgroup 0 starts with the turn; warpgroup 1 does not pass it back after its last step, which leaves
   // both barriers with as many arrivals as waits.
   const int steps = n_block_max - n_block_min;
-  auto await_turn = [&] { sm90::named_barrier_sync(1 + wg, 2 * 128); };
+  constexpr int kTurnThreads = 2 * 128;  // the waiting warpgroup and the one passing the turn to it
+  auto await_turn = [&] { sm90::named_barrier_sync(1 + wg, kTurnThreads); };
   auto pass_turn = [&](int it) {
-    if (wg == 0 || it + 1 < steps) sm90::named_barrier_arrive(2 - wg, 2 * 128);
+    if (wg + 1 < Tr::kConsumers || it + 1 < steps) sm90::named_barrier_arrive(1 + (wg + 1) % Tr::kConsumers, kTurnThreads);
   };
-  if (wg == 0 && steps > 1) sm90::named_barrier_arrive(1, 2 * 128);
+  if (wg == 0 && steps > 1) sm90::named_barrier_arrive(1, kTurnThreads);
 
   // One step of the walk (it >= 1): S_it = Q K_it^T and O += P_{it-1} V_{it-1} back to back, the softmax of
   // S_it between the waits for the two, O rescaled once the second has landed.
