@@ -3,15 +3,18 @@
 # VARIANTS (.wt/<name>, e.g. `git worktree add .wt/base main`; carry them), runs the bwd tests on "new", then
 # two alternating rounds of tools/kernel_ab.py per build (cuDNN timed in every process) and prints the minimum
 # of each: ms, new / variant, cuDNN / new.   VARIANTS="base" bash tools/kernel_ab.sh
-# PASS=fwd times the forward instead (and runs the forward kernel tests); HF_FLASH_DISABLE_SM90=1 times the
-# mma.sync kernels.
+# PASS=fwd times the forward instead (and runs the forward kernel tests), PASS="bwd fwd" both from the same builds
+# (ab_bwd.csv, ab_fwd.csv); HF_FLASH_DISABLE_SM90=1 times the mma.sync kernels.
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=90a
 cd "$(dirname "$0")/.." && ROOT=$PWD
 OUT=$(realpath -m "${OUT:-out}"); mkdir -p "$OUT"  # absolute: the variants run from their worktrees
 VARIANTS=${VARIANTS:-base}
 PASS=${PASS:-bwd}
-TESTS=$([ "$PASS" = fwd ] && echo "tests/test_kernels_fwd.py tests/test_kernels_fwd_sm90.py" || echo tests/test_kernels_bwd.py)
+TESTS=""
+for pass in $PASS; do
+  TESTS+=$([ "$pass" = fwd ] && echo " tests/test_kernels_fwd.py tests/test_kernels_fwd_sm90.py" || echo " tests/test_kernels_bwd.py")
+done
 start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 # This checkout builds (and links hf_flash/patches) through tools/gpu_check.sh; the variants are other
 # checkouts, possibly older than it, so they build with setup.py and get the link here.
@@ -28,14 +31,17 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then  # SKIP_TESTS=1 when the GPU suite runs els
     > "$OUT/tests.log" 2>&1; rc=$?; stamp "tests rc=$rc: $(tail -1 "$OUT/tests.log")"
   [ $rc -eq 0 ] || exit $rc  # a build that fails its tests is not timed
 fi
-for round in 1 2; do
-  PYTHONPATH=$ROOT timeout 300 python3 tools/kernel_ab.py new $PASS >> "$OUT/ab.csv" 2>>"$OUT/ab.err"
-  for v in $VARIANTS; do
-    (cd ".wt/$v" && PYTHONPATH=$PWD timeout 300 python3 "$ROOT/tools/kernel_ab.py" "$v" $PASS >> "$OUT/ab.csv" 2>>"$OUT/ab.err")
+for pass in $PASS; do
+  for round in 1 2; do
+    PYTHONPATH=$ROOT timeout 300 python3 tools/kernel_ab.py new $pass >> "$OUT/ab_$pass.csv" 2>>"$OUT/ab.err"
+    for v in $VARIANTS; do
+      (cd ".wt/$v" && PYTHONPATH=$PWD timeout 300 python3 "$ROOT/tools/kernel_ab.py" "$v" $pass >> "$OUT/ab_$pass.csv" \
+        2>>"$OUT/ab.err")
+    done
   done
-done
-stamp "a/b done"
-python3 - "$OUT/ab.csv" $VARIANTS <<'PY'
+  stamp "a/b $pass done"
+  echo "== $pass"
+  python3 - "$OUT/ab_$pass.csv" $VARIANTS <<'PY'
 import collections, sys
 t = collections.defaultdict(list)
 for line in open(sys.argv[1]):
@@ -50,3 +56,4 @@ for case in dict.fromkeys(c for c, _ in t):
     print(f"{case:18} " + " ".join(f"{m:8.3f}" for m in ms) + f" {cudnn:8.3f} "
           + " ".join(f"{m / ms[0]:9.3f}" for m in ms[1:]) + f"  {cudnn / ms[0]:9.3f}")
 PY
+done
