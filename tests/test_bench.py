@@ -297,7 +297,7 @@ def test_kernel_cases_cover_the_grid():
     from hf_flash.bench import kernels
 
     full = kernels.cases(list(kernels.SETS), [64, 128], kernels.SEQLENS, kernels.LLAMA_SHAPES)
-    assert len(full) == 2 * 2 * 6 + 3 + 1 + 2 * 4 + 2 * 4 + 4
+    assert len(full) == 2 * 2 * 6 + 3 + 1 + 2 * 4 + 2 * 4 + 2 * 3 + 4
     assert len({c.name for c in full}) == len(full)  # rows are keyed by case name
     assert [(c.d, c.heads) for c in full[-4:]] == [(256, 8), (512, 4), (256, 8), (512, 4)]
     assert all(c.batch * c.seqlen == kernels.TOKENS and c.heads * c.d == kernels.HIDDEN for c in full[:24])
@@ -316,11 +316,15 @@ def test_kernel_cases_cover_the_grid():
         (32, 512, 12, 12, 64, False), (32, 512, 12, 12, 64, True), (4, 4096, 12, 12, 64, False),
         (2, 4096, 32, 32, 128, True)]
     assert rel[0].flops("fwd") == 4 * 32 * 512**2 * 12 * 64
+    drop = full[44:50]  # T5 training shapes, each beside its twin with attention dropout
+    assert [c.dropout_p for c in drop] == [0.0, kernels.DROPOUT_P] * 3 and not any(c.rel_bias for c in drop)
+    assert all(b.name == a.name + " +dropout" and b.flops("bwd") == a.flops("bwd")
+               for a, b in zip(drop[::2], drop[1::2]))
     windowed = next(c for c in full if c.window == 128)
     assert windowed.flops("fwd") == 4 * (129 * 130 // 2 + 129 * (8192 - 129)) * 64 * 64  # rows 0..128 see i + 1 keys, later 129
     quick = kernels.cases(list(kernels.SETS), [64, 128], kernels.QUICK_SEQLENS, kernels.QUICK_LLAMA,
-                          kernels.QUICK_SINKS, kernels.QUICK_REL_BIAS)
-    assert len(quick) == 2 * 2 * 2 + 1 + 1 + 2 + 2 + 4
+                          kernels.QUICK_SINKS, kernels.QUICK_REL_BIAS, kernels.QUICK_DROPOUT)
+    assert len(quick) == 2 * 2 * 2 + 1 + 1 + 2 + 2 + 2 + 4
 
 
 def test_kernel_backends_per_case():
@@ -335,6 +339,8 @@ def test_kernel_backends_per_case():
     assert ran(by_name["gpt-oss 8x1k +sinks"]) == ran(by_name["gpt-oss 1x8k w128"]) == ["hf_flash", "fa4"]
     assert ran(by_name["t5 enc 4x4k"]) == ["hf_flash", "fa4", "sdpa-cudnn", "sdpa-flash", "sdpa"]
     assert ran(by_name["t5 enc 4x4k +rel_bias"]) == ["hf_flash", "sdpa-cudnn", "sdpa"]
+    # FA4 has no dropout
+    assert ran(by_name["t5 train enc 32x512 +dropout"]) == ["hf_flash", "sdpa-cudnn", "sdpa-flash"]
     assert not kernels.runs("sdpa-math", by_name["d64 full 16k"])
     assert kernels.runs("sdpa-math", by_name["t5 enc 4x4k"])
 
@@ -372,6 +378,24 @@ def test_kernel_measurement_of_a_rel_bias_pair(on_cpu, mode):
                                     torch.float32, errors)
         assert [r.backend for r in rows] == expected and len(timer.batches) == 2 * len(expected)
     assert errors == {}
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_kernel_measurement_of_a_dropout_pair(on_cpu, mode):
+    """Both twins of a dropout pair run, and the featured one does drop: its output differs from the twin's."""
+    from hf_flash.bench import backends, kernels
+
+    names = ["hf_flash", "sdpa-math"]
+    plain, featured = kernels._twins("dropout", [kernels.Case("t5", 2, 16, 4, 4, 16, False)])
+    errors = {}
+    for case in (plain, featured):
+        rows = kernels.measure_case(case, mode, names, 2, FakeTimer(), torch.float32, errors)
+        assert [r.backend for r in rows] == names
+    assert errors == {}
+    q, k, v = (torch.randn(2, 16, 4, 16) for _ in range(3))
+    for name in names:
+        kept = backends.dense(name, False, -1, 0.0)(q, k, v)
+        assert not torch.allclose(backends.dense(name, False, -1, featured.dropout_p)(q, k, v), kept)
 
 
 @pytest.mark.parametrize("causal", [False, True])

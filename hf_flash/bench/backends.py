@@ -65,17 +65,21 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def dense(backend: str, causal: bool, window: int = -1):
+def dense(backend: str, causal: bool, window: int = -1, dropout_p: float = 0.0):
     """f(q, k, v, sinks=None, rel_bias=None) -> out on (B, S, H, D); k/v may have fewer heads (GQA); ``window``
     >= 0 limits each query to that many earlier keys (causal sliding window); ``sinks`` are learned per-head
-    logits (gpt-oss); ``rel_bias`` is T5's relative position bias in the backend's form (``rel_bias_input``).
-    SDPA has no window or sinks, FA4 no relative bias (NotImplementedError)."""
+    logits (gpt-oss); ``rel_bias`` is T5's relative position bias in the backend's form (``rel_bias_input``);
+    ``dropout_p`` drops attention probabilities as in training. SDPA has no window or sinks, FA4 no relative bias
+    or dropout (NotImplementedError)."""
     if backend == "hf_flash":
         from hf_flash import flash_attn_func
 
         return lambda q, k, v, sinks=None, rel_bias=None: flash_attn_func(
-            q, k, v, causal=causal, window_size=(window, -1), learnable_sink=sinks, rel_bias=rel_bias)
+            q, k, v, dropout_p=dropout_p, causal=causal, window_size=(window, -1), learnable_sink=sinks,
+            rel_bias=rel_bias)
     if backend == FA4:
+        if dropout_p:
+            raise NotImplementedError(f"{FA4} has no attention dropout")
         func = fa4()[0]
         extra = {"window_size": (window, None)} if window >= 0 else {}
 
@@ -94,7 +98,7 @@ def dense(backend: str, causal: bool, window: int = -1):
             raise NotImplementedError(f"{backend} has no learned sinks")
         with context():  # the mask holds the causal one: SDPA refuses is_causal with a mask
             out = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=rel_bias,
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=rel_bias, dropout_p=dropout_p,
                 is_causal=causal and rel_bias is None, enable_gqa=k.shape[2] != q.shape[2])
         return out.transpose(1, 2)
 

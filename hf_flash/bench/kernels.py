@@ -9,10 +9,11 @@ windows), T5's relative position bias with R = 128, T5's max_distance (flan-t5-b
 decoder self-attention at 32 x 512, a 4 x 4k encoder and a d128 32-head causal 2 x 4k shape: hf_flash with its
 float32 (H, 2R+1) table, SDPA as transformers calls it for T5, cuDNN and its own pick ("sdpa"), with the bias
 materialised as a dense (1, H, S, S) mask in q's dtype (the causal mask folded in) outside the timed calls, as T5
-builds it once for all its layers; FA4 only without: it has no relative bias), and head dim 512 (Gemma 4's
-global layers) beside d256 at S = 4k. Each sinks and rel_bias case runs beside the same shape without the feature
-(its twin, named without the " +sinks" / " +rel_bias" suffix, with the same FLOPs); each feature's cost is printed
-as a table of its own (GPU time without -> with, per backend).
+builds it once for all its layers; FA4 only without: it has no relative bias), attention dropout at T5's default
+p = 0.1 (flan-t5-base's encoder and decoder shapes and a d128 causal 2 x 4k; FA4 only without: it has no dropout),
+and head dim 512 (Gemma 4's global layers) beside d256 at S = 4k. Each sinks, rel_bias and dropout case runs beside
+the same shape without the feature (its twin, named without the " +sinks" / " +rel_bias" / " +dropout" suffix, with
+the same FLOPs); each feature's cost is printed as a table of its own (GPU time without -> with, per backend).
 FLOPs = 4*B*S^2*H*D (sum over documents when packed; halved when causal; the visible keys when windowed);
 backward 2.5x, forward+backward 3.5x.
 Inputs have ``requires_grad=True`` for every pass, as in training; the backward is
@@ -55,8 +56,16 @@ REL_BIAS_SHAPES = (("t5-base enc 32x512", 32, 512, 12, 12, 64, False),
                    ("t5 enc 4x4k", 4, 4096, 12, 12, 64, False), ("t5 d128 dec 2x4k", 2, 4096, 32, 32, 128, True))
 QUICK_REL_BIAS = REL_BIAS_SHAPES[:1]
 REL_BIAS_RADIUS = 128  # T5's max_distance: every distance past it reads the table's last column
+# (name, batch, seqlen, heads, kv_heads, d, causal): T5 fine-tuning keeps its default attention dropout, which the
+# Hopper kernels do not carry (the mma.sync ones run it), and a d128 decoder shape
+# (names unlike the rel_bias pairs': rows are keyed by name)
+DROPOUT_SHAPES = (("t5 train enc 32x512", 32, 512, 12, 12, 64, False),
+                  ("t5 train dec 32x512", 32, 512, 12, 12, 64, True), ("d128 train dec 2x4k", 2, 4096, 32, 32, 128, True))
+QUICK_DROPOUT = DROPOUT_SHAPES[:1]
+DROPOUT_P = 0.1  # T5's dropout_rate
 # The features measured beside their twin without ("<twin> +<feature>"), and their cost tables' titles
-FEATURES = {"sinks": "learned sinks", "rel_bias": f"relative position bias (R = {REL_BIAS_RADIUS})"}
+FEATURES = {"sinks": "learned sinks", "rel_bias": f"relative position bias (R = {REL_BIAS_RADIUS})",
+            "dropout": f"attention dropout (p = {DROPOUT_P})"}
 TWIN = " +"
 LARGE_D = (256, 512)  # head dims of the "d512" set: Gemma 4's global layers against the largest other kernel
 SETS = ("grid", "llama", "varlen", *FEATURES, "d512")
@@ -89,6 +98,10 @@ class Case:
     @property
     def rel_bias(self) -> bool:  # T5's relative position bias, radius REL_BIAS_RADIUS
         return self.featured and self.feature == "rel_bias"
+
+    @property
+    def dropout_p(self) -> float:  # attention dropout, DROPOUT_P on the featured twin
+        return DROPOUT_P if self.featured and self.feature == "dropout" else 0.0
 
     def flops(self, mode: str) -> float:
         if self.window >= 0:
@@ -133,7 +146,7 @@ def _twins(feature: str, plain: list[Case]) -> list[Case]:
 
 
 def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple, sinks: tuple = SINK_SHAPES,
-          rel_bias: tuple = REL_BIAS_SHAPES) -> list[Case]:
+          rel_bias: tuple = REL_BIAS_SHAPES, dropout: tuple = DROPOUT_SHAPES) -> list[Case]:
     out = []
     if "grid" in sets:
         out += [Case(f"d{d} {'causal' if c else 'full'} {_size(s)}", TOKENS // s, s, HIDDEN // d, HIDDEN // d, d, c)
@@ -147,6 +160,8 @@ def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple, s
         out += _twins("sinks", [Case(name, b, s, h, hk, d, True, window=w) for name, b, s, h, hk, d, w in sinks])
     if "rel_bias" in sets:
         out += _twins("rel_bias", [Case(name, b, s, h, hk, d, c) for name, b, s, h, hk, d, c in rel_bias])
+    if "dropout" in sets:
+        out += _twins("dropout", [Case(name, b, s, h, hk, d, c) for name, b, s, h, hk, d, c in dropout])
     if "d512" in sets:  # same tokens and H*D as the grid, S = 4k
         out += [Case(f"d{d} {'causal' if c else 'full'} 4k", TOKENS // 4096, 4096, HIDDEN // d, HIDDEN // d, d, c)
                 for c in (False, True) for d in LARGE_D]
@@ -156,8 +171,8 @@ def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple, s
 def add_arguments(parser) -> None:
     parser.add_argument("--mode", default="fwd,bwd", help="comma list of fwd, bwd, fwdbwd")
     parser.add_argument("--quick", action="store_true",
-                        help=f"S in {QUICK_SEQLENS}, Llama 8x1024, the packed batch and one sinks and one "
-                             f"rel_bias pair only")
+                        help=f"S in {QUICK_SEQLENS}, Llama 8x1024, the packed batch and one sinks, one "
+                             f"rel_bias and one dropout pair only")
     parser.add_argument("--sets", default=",".join(SETS), help=f"comma list of {', '.join(SETS)}")
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlens", default="", help="comma list overriding the grid's S")
@@ -199,7 +214,7 @@ def _backend_inputs(name: str, case: Case, inputs: dict) -> dict:
 
 def _attention(backend: str, case: Case):
     if not case.docs:
-        return B.dense(backend, case.causal, case.window)
+        return B.dense(backend, case.causal, case.window, case.dropout_p)
     cu = torch.tensor([0, *torch.tensor(case.docs).cumsum(0).tolist()], dtype=torch.int32, device=B.DEVICE)
     return B.varlen(backend, case.causal, cu, max(case.docs))
 
@@ -217,7 +232,8 @@ def _call(mode: str, attn, inputs: dict, dout):
 
 def runs(name: str, case: Case) -> bool:
     """Whether backend ``name`` is measured on ``case``: sdpa-math materialises B*H*S^2 scores (up to
-    MATH_MAX_SEQLEN); SDPA has no sinks or windows, and sdpa-flash takes no mask; FA4 has no relative bias;
+    MATH_MAX_SEQLEN); SDPA has no sinks or windows, and sdpa-flash takes no mask; FA4 has no relative bias or
+    dropout;
     SDPA's own pick (what transformers runs) is measured in the rel_bias pairs, where it picks by the mask,
     and nowhere else: without a mask it picks one of the forced columns."""
     if name == "sdpa-math" and case.seqlen > MATH_MAX_SEQLEN:
@@ -225,6 +241,8 @@ def runs(name: str, case: Case) -> bool:
     if name in (*B.SDPA, B.SDPA_DEFAULT) and (case.sinks or case.window >= 0):
         return False
     if name == B.SDPA_DEFAULT and case.feature != "rel_bias":
+        return False
+    if case.dropout_p and name == B.FA4:
         return False
     return not (case.rel_bias and name in (B.FA4, "sdpa-flash"))
 
@@ -407,7 +425,8 @@ def run(args) -> None:
         print(f"fa4 column left out: flash_attn.cute does not import ({B.fa4()[2]})", file=sys.stderr)
     seqlens = tuple(int(s) for s in split(args.seqlens)) or (QUICK_SEQLENS if args.quick else SEQLENS)
     grid = cases(sets, [int(d) for d in split(args.head_dims)], seqlens, QUICK_LLAMA if args.quick else LLAMA_SHAPES,
-                 QUICK_SINKS if args.quick else SINK_SHAPES, QUICK_REL_BIAS if args.quick else REL_BIAS_SHAPES)
+                 QUICK_SINKS if args.quick else SINK_SHAPES, QUICK_REL_BIAS if args.quick else REL_BIAS_SHAPES,
+                 QUICK_DROPOUT if args.quick else DROPOUT_SHAPES)
     timer = CallTimer()
     rows, errors, env = [], {}, results.environment()
     for case in tqdm(grid, desc="kernels", unit="case"):
