@@ -1,9 +1,11 @@
 """Timings of the build on PYTHONPATH next to SDPA cuDNN (GQA through enable_gqa, as transformers calls it),
 backward (default) or forward, in one process; prints CSV lines TAG,case,backend,ms,tflops (tools/kernel_ab.sh
-compares builds; PASS=fwd there times the forward).
+compares builds; PASS=fwd there times the forward). AB_DET=1 also times the backward with deterministic=True
+(backend "det").
 
     python tools/kernel_ab.py TAG [bwd|fwd]
 """
+import os
 import sys
 
 import torch
@@ -30,7 +32,7 @@ tag, mode = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bwd"
 
 
 def case(b, s, h, hk, d, causal):
-    """(ours, cuDNN's, the inputs whose grads do_bench resets) for one case of the chosen pass."""
+    """({backend: callable}, the inputs whose grads do_bench resets) for one case of the chosen pass."""
     q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     opts = (d**-0.5, causal, -1, 0 if causal else -1, 0.0, None, 0.0, None)
@@ -40,20 +42,24 @@ def case(b, s, h, hk, d, causal):
             with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk)
 
-        return lambda: torch.ops.hf_flash.fwd(q, k, v, None, None, s, s, *opts, False), cudnn, [q, k, v]
+        return {"hf_flash": lambda: torch.ops.hf_flash.fwd(q, k, v, None, None, s, s, *opts, False),
+                "cudnn": cudnn}, [q, k, v]
     dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
     out, lse = torch.ops.hf_flash.fwd(q, k, v, None, None, s, s, *opts, False)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk)
-    return (lambda: torch.ops.hf_flash.bwd(dout, q, k, v, out, lse, None, None, s, s, *opts, False),
-            lambda: o.backward(dout.transpose(1, 2), retain_graph=True), [q, k, v])
+    fns = {"hf_flash": lambda: torch.ops.hf_flash.bwd(dout, q, k, v, out, lse, None, None, s, s, *opts, False),
+           "cudnn": lambda: o.backward(dout.transpose(1, 2), retain_graph=True)}
+    if os.environ.get("AB_DET") == "1":
+        fns["det"] = lambda: torch.ops.hf_flash.bwd(dout, q, k, v, out, lse, None, None, s, s, *opts, True)
+    return fns, [q, k, v]
 
 
 for name, b, s, h, hk, d, causal in CASES:
     flops = (2.5 if mode == "bwd" else 1.0) * 4 * b * s * s * h * d / (2 if causal else 1)
-    ours, cudnn, inputs = case(b, s, h, hk, d, causal)
-    for backend, fn in (("hf_flash", ours), ("cudnn", cudnn)):
+    fns, inputs = case(b, s, h, hk, d, causal)
+    for backend, fn in fns.items():
         ms = triton.testing.do_bench(fn, warmup=100, rep=300, grad_to_none=inputs, return_mode="median")
         print(f"{tag},{name},{backend},{ms:.4f},{flops / ms * 1e-9:.1f}", flush=True)
-    del ours, cudnn, inputs  # the case's tensors
+    del fns, inputs  # the case's tensors
     torch.cuda.empty_cache()

@@ -1,8 +1,9 @@
 #!/bin/bash
 # Same-process A/B of kernel builds on the device: builds this checkout ("new") and each git worktree named in
 # VARIANTS (.wt/<name>, e.g. `git worktree add .wt/base main`; carry them), runs the bwd tests on "new", then
-# two alternating rounds of tools/kernel_ab.py per build (cuDNN timed in every process) and prints the minimum
-# of each: ms, new / variant, cuDNN / new.   VARIANTS="base" bash tools/kernel_ab.sh
+# ROUNDS (3) alternating rounds of tools/kernel_ab.py per build (cuDNN timed in every process) and prints the
+# median of each: ms, new / variant, cuDNN / new, the widest round-to-round spread ((max - min) / median) of the
+# row; AB_DET=1 adds new's deterministic backward (det / new).   VARIANTS="base" bash tools/kernel_ab.sh
 # PASS=fwd times the forward instead (and runs the forward kernel tests), PASS="bwd fwd" both from the same builds
 # (ab_bwd.csv, ab_fwd.csv); HF_FLASH_DISABLE_SM90=1 times the mma.sync kernels.
 set -o pipefail
@@ -32,28 +33,31 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then  # SKIP_TESTS=1 when the GPU suite runs els
   [ $rc -eq 0 ] || exit $rc  # a build that fails its tests is not timed
 fi
 for pass in $PASS; do
-  for round in 1 2; do
-    PYTHONPATH=$ROOT timeout 300 python3 tools/kernel_ab.py new $pass >> "$OUT/ab_$pass.csv" 2>>"$OUT/ab.err"
+  for round in $(seq "${ROUNDS:-3}"); do
+    PYTHONPATH=$ROOT AB_DET=${AB_DET:-0} timeout 300 python3 tools/kernel_ab.py new $pass >> "$OUT/ab_$pass.csv" 2>>"$OUT/ab.err"
     for v in $VARIANTS; do
-      (cd ".wt/$v" && PYTHONPATH=$PWD timeout 300 python3 "$ROOT/tools/kernel_ab.py" "$v" $pass >> "$OUT/ab_$pass.csv" \
+      (cd ".wt/$v" && PYTHONPATH=$PWD AB_DET=0 timeout 300 python3 "$ROOT/tools/kernel_ab.py" "$v" $pass >> "$OUT/ab_$pass.csv" \
         2>>"$OUT/ab.err")
     done
   done
   stamp "a/b $pass done"
   echo "== $pass"
   python3 - "$OUT/ab_$pass.csv" $VARIANTS <<'PY'
-import collections, sys
+import collections, statistics, sys
 t = collections.defaultdict(list)
 for line in open(sys.argv[1]):
     tag, case, backend, ms, _ = line.strip().split(",")
-    t[(case, tag if backend == "hf_flash" else "cudnn")].append(float(ms))
-tags = ["new", *sys.argv[2:]]
+    t[(case, tag if backend == "hf_flash" else backend)].append(float(ms))
+tags = ["new", *sys.argv[2:]] + [x for x in ("det",) if any(k[1] == x for k in t)]
+med = lambda case, x: statistics.median(t[(case, x)])
 print(f"{'case':18} " + " ".join(f"{x:>8}" for x in tags) + f" {'cudnn':>8} "
-      + " ".join(f"{'new/' + x:>9}" for x in tags[1:]) + "  cudnn/new")
+      + " ".join(f"{x + '/new' if x == 'det' else 'new/' + x:>9}" for x in tags[1:]) + "  cudnn/new  spread")
 for case in dict.fromkeys(c for c, _ in t):
-    ms = [min(t[(case, x)]) for x in tags]
-    cudnn = min(t[(case, "cudnn")])
+    ms = [med(case, x) for x in tags]
+    cudnn = med(case, "cudnn")
+    spread = max((max(t[(case, x)]) - min(t[(case, x)])) / med(case, x) for x in tags + ["cudnn"])
+    ratios = [m / ms[0] if x != "det" else ms[0] / m for x, m in zip(tags[1:], ms[1:])]
     print(f"{case:18} " + " ".join(f"{m:8.3f}" for m in ms) + f" {cudnn:8.3f} "
-          + " ".join(f"{m / ms[0]:9.3f}" for m in ms[1:]) + f"  {cudnn / ms[0]:9.3f}")
+          + " ".join(f"{r:9.3f}" for r in ratios) + f"  {cudnn / ms[0]:9.3f}  {spread:5.1%}")
 PY
 done
