@@ -92,10 +92,11 @@ def _visible(rows, cols, seqlen_q, seqlen_k, window_left: int, window_right: int
 class _Batch:
     """The op arguments as a padded batch: q (B, H, Sq, D), k/v (B, Hk, Sk, D),
     with each sequence's true lengths in len_q / len_k (B,). Rows past len_q
-    are padding: computed, then dropped by the caller."""
+    are padding: computed, then dropped by the caller. ``first`` is the batch index of row 0 (a varlen
+    sequence run on its own keeps its index in the dropout mask)."""
 
-    def __init__(self, q, k, v, len_q, len_k, args, rel_bias=None):
-        self.q, self.k, self.v, self.len_q, self.len_k = q, k, v, len_q, len_k
+    def __init__(self, q, k, v, len_q, len_k, args, rel_bias=None, first: int = 0):
+        self.q, self.k, self.v, self.len_q, self.len_k, self.first = q, k, v, len_q, len_k, first
         (self.scale, causal, self.window_left, wr, self.softcap, alibi, self.p_drop, self.rng_state) = args
         self.rel_bias = None if rel_bias is None else rel_bias.to(q.dtype)
         self.window_right = 0 if causal else wr
@@ -134,7 +135,7 @@ class _Batch:
         if self.p_drop <= 0:
             return None
         h = self.q.shape[1]
-        keep = torch.stack([dropout_keep(self.rng_state, b, h, self.rows, cols, self.p_drop)
+        keep = torch.stack([dropout_keep(self.rng_state, self.first + b, h, self.rows, cols, self.p_drop)
                             for b in range(self.q.shape[0])])
         return keep.to(self.q.dtype) / (1.0 - self.p_drop)
 
@@ -193,56 +194,36 @@ class _Batch:
         return dq, fold(dk), fold(dv), drel
 
 
-class _Layout:
-    """Moves between the op layout (dense (B, S, H, D) or varlen (T, H, D)) and
-    the padded (B, H, S, D) batch, in the math dtype."""
+def _padded(x, dtype):
+    """(B, S, H, D) in the op layout -> (B, H, S, D) in the math dtype."""
+    return x.to(dtype).transpose(1, 2)
 
-    def __init__(self, cu_seqlens, dtype):
-        self.cu, self.dtype = cu_seqlens, dtype
-        if cu_seqlens is None:
-            self.lengths = None
-            return
-        self.lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        width = max(int(self.lengths.max()) if len(self.lengths) else 0, 1)
-        pos = torch.arange(width, device=cu_seqlens.device)
-        self.valid = pos[None, :] < self.lengths[:, None]  # (B, width)
-        self.index = (cu_seqlens[:-1, None].long() + pos[None, :]) * self.valid
 
-    def pad(self, x):
-        if self.cu is None:
-            return x.to(self.dtype).transpose(1, 2)
-        if x.shape[0] == 0:  # every sequence empty: nothing to gather from
-            return x.new_zeros(*self.valid.shape, *x.shape[1:], dtype=self.dtype).transpose(1, 2)
-        valid = self.valid.view(*self.valid.shape, *([1] * (x.dim() - 1)))
-        return torch.where(valid, x[self.index], 0).to(self.dtype).transpose(1, 2)
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """Row slices (queries, keys) of each varlen sequence. The varlen reference runs the sequences one at a
+    time: padding them to the longest would cost B * max Sq * max Sk, up to hundreds of times the work."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
 
-    def unpad(self, x, like):
-        x = x.transpose(1, 2)
-        if self.cu is None:
-            return torch.empty_like(like).copy_(x)  # keeps like's strides, as the fake op does
-        out = torch.zeros_like(like)
-        out[self.index[self.valid]] = x[self.valid].to(like.dtype)
-        return out
 
-    def seqlens(self, dense_len, batch, device):
-        if self.cu is None:
-            return torch.full((batch,), dense_len, device=device)
-        return self.lengths
+def _sequence_args(args, i: int):
+    """The op arguments of varlen sequence i: its row of per-sequence ALiBi slopes (B, H)."""
+    alibi = args[5]
+    if alibi is not None and alibi.dim() == 2:
+        return (*args[:5], alibi[i : i + 1], *args[6:])
+    return args
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args, rel_bias=None):
+def _prepare(q, k, v, seqused_k, args, rel_bias=None, first: int = 0):
+    """Dense (B, S, H, D) inputs as a _Batch (``first``: the batch index of row 0, see _Batch)."""
     dt = _compute_dtype(q)
-    lq, lk = _Layout(cu_seqlens_q, dt), _Layout(cu_seqlens_k, dt)
-    b = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.numel() - 1
-    len_q = lq.seqlens(q.shape[1] if cu_seqlens_q is None else 0, b, q.device)
-    len_k = lk.seqlens(k.shape[1] if cu_seqlens_k is None else 0, b, q.device)
-    if seqused_k is not None:
-        len_k = seqused_k.long()
-    return lq, lk, _Batch(lq.pad(q), lk.pad(k), lk.pad(v), len_q, len_k, args, rel_bias)
+    len_q = torch.full((q.shape[0],), q.shape[1], device=q.device)
+    len_k = torch.full((q.shape[0],), k.shape[1], device=q.device) if seqused_k is None else seqused_k.long()
+    return _Batch(_padded(q, dt), _padded(k, dt), _padded(v, dt), len_q, len_k, args, rel_bias, first)
 
 
 def sink_rescale(lse, sinks, head_dim: int):
@@ -262,23 +243,29 @@ def sink_rescale(lse, sinks, head_dim: int):
 
 def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
         window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic=False, *, seqused_k=None,
-        sinks=None, rel_bias=None):
+        sinks=None, rel_bias=None, _first: int = 0):
     """Forward: returns out (like q) and lse (float32; (B, H, Sq) dense, (H, T) varlen). Differentiable by
     autograd (the dropout mask is a function of rng_state, so the backward sees the forward's). ``seqused_k``
     (B,): valid keys per row of a KV cache (fwd_kvcache). ``sinks`` (H,): learned attention sinks
     (``sink_rescale``); the LSE returned then includes them. ``rel_bias`` (H, 2R+1): a relative position bias
     added to the scaled logits (``relative_positions`` says which column), with a gradient."""
     args = (softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
-    lq, _, batch = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, args, rel_bias)
+    if cu_seqlens_q is not None:  # (T, H, D) -> out (T, H, D), lse (H, T), one sequence at a time
+        outs, lses = [q[:0] * 0], [q.new_empty(q.shape[1], 0, dtype=torch.float32)]
+        for i, (rq, rk) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
+            o, l = fwd(q[None, rq], k[None, rk], v[None, rk], None, None, 0, 0, *_sequence_args(args, i),
+                       sinks=sinks, rel_bias=rel_bias, _first=i)
+            outs.append(o[0])
+            lses.append(l[0])
+        return torch.cat(outs), torch.cat(lses, 1)
+    batch = _prepare(q, k, v, seqused_k, args, rel_bias, _first)
     out, lse = batch.forward()
     if sinks is not None:
         lse, factor = sink_rescale(lse, sinks, 1)
         out = out * factor[..., None]
-    if cu_seqlens_q is not None:  # (B, H, S) -> (H, T)
-        lse = lq.unpad(lse[..., None], q.new_empty(q.shape[0], q.shape[1], 1, dtype=lse.dtype))[..., 0].T
-    if q.numel() == 0:  # no rows to scatter into: keep the empty output in the autograd graph, as the kernels do
+    if q.numel() == 0:  # no rows to write: keep the empty output in the autograd graph, as the kernels do
         return q * 0, lse.float().contiguous()
-    return lq.unpad(out, q), lse.float().contiguous()
+    return torch.empty_like(q).copy_(out.transpose(1, 2)), lse.float().contiguous()  # q's strides, as the fake op
 
 
 def fwd_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale, causal, window_left, window_right,
@@ -300,16 +287,25 @@ def fwd_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale
 
 def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
         window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic=False, *,
-        rel_bias=None):
+        rel_bias=None, _first: int = 0):
     """Backward by recomputation from the saved LSE, as the kernels do it: returns dq, dk, dv, plus d rel_bias
     (the table's dtype) when ``rel_bias`` is given. The kernels' twin in tests; the reference path itself
     differentiates fwd with autograd."""
     args = (softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state)
-    lq, lk, batch = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, None, args, rel_bias)
-    if cu_seqlens_q is not None:  # (H, T) -> (B, H, S); padded rows +inf, so their P is 0 whatever the bias
-        lse = lq.pad(lse.T[..., None])[..., 0].masked_fill(~lq.valid[:, None, :], math.inf)
-    dq, dk, dv, drel = batch.backward(lq.pad(out), lq.pad(dout), lse.to(batch.q.dtype))
-    grads = (lq.unpad(dq, q), lk.unpad(dk, k), lk.unpad(dv, v))
+    if cu_seqlens_q is not None:  # one sequence at a time, its rows written into the (T, H, D) gradients
+        dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+        drel = None if rel_bias is None else torch.zeros_like(rel_bias)
+        for i, (rq, rk) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
+            g = bwd(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq], lse[None, :, rq], None,
+                    None, 0, 0, *_sequence_args(args, i), rel_bias=rel_bias, _first=i)
+            dq[rq], dk[rk], dv[rk] = g[0][0], g[1][0], g[2][0]
+            if drel is not None:
+                drel += g[3]
+        return (dq, dk, dv) if rel_bias is None else (dq, dk, dv, drel)
+    batch = _prepare(q, k, v, None, args, rel_bias, _first)
+    dq, dk, dv, drel = batch.backward(_padded(out, batch.q.dtype), _padded(dout, batch.q.dtype),
+                                      lse.to(batch.q.dtype))
+    grads = tuple(torch.empty_like(t).copy_(g.transpose(1, 2)) for t, g in zip((q, k, v), (dq, dk, dv)))
     return grads if rel_bias is None else (*grads, drel.to(rel_bias.dtype))
 
 

@@ -133,6 +133,26 @@ def test_varlen_matches_per_sequence(causal, window, hk):
             assert_close(g[sl], gr[0], 2e-5 * max(1.0, scale), f"d{name}[seq {i}]")
 
 
+@pytest.mark.gpu
+def test_varlen_memory_follows_the_sequences_not_the_longest():
+    """float32 runs the reference path on a GPU too: one long query sequence against one long key sequence,
+    with short partners, must cost their own Sq * Sk, not 2 * max Sq * max Sk (padded: ~4 GiB of scores a
+    tensor here, against ~1 MiB)."""
+    h, d, n = 16, 64, 4000
+    lens_q, lens_k = torch.tensor([n, 1, 3]), torch.tensor([1, n, 2])
+    cu_q, cu_k = (torch.cat([torch.zeros(1), x.cumsum(0)]).int().cuda() for x in (lens_q, lens_k))
+    q = torch.randn(int(lens_q.sum()), h, d, device="cuda", requires_grad=True)
+    k, v = (torch.randn(int(lens_k.sum()), h, d, device="cuda", requires_grad=True) for _ in range(2))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, n, n, causal=True, dropout_p=0.1)
+    out.sum().backward()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 256 << 20, f"peak {peak / 2**20:.0f} MiB for {int(lens_q @ lens_k)} score elements per head"
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+
+
 def test_dropout_mask_is_reproducible_and_exact():
     b, sq, sk, h, hk, d, p = 2, 37, 70, 4, 2, 16, 0.3
     q, k, v = rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
