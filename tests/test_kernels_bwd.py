@@ -224,17 +224,19 @@ def test_sm90_kernel_selected(d, causal, monkeypatch):
 
 
 # (d, window (left, right), sequence lengths (q, k) per batch row, varlen): several key and query blocks, fully
-# masked rows (causal with sq > sk), a sliding window, GQA 4/2.
+# masked rows (causal with sq > sk), a sliding window, a local window on both sides (the first key block adding
+# into a query block is not block 0), GQA 4/2.
 DET_SM90_CASES = [(64, (-1, 0), [(1100, 1000), (1100, 1000)], False),
                   (128, (-1, -1), [(517, 1100), (517, 1100)], False),
                   (128, (-1, 0), [(1100, 1000), (300, 517), (1, 64)], True),
                   (64, (-1, -1), [(700, 300), (129, 1)], True),
-                  (128, (200, 0), [(1000, 1000)], False)]
+                  (128, (200, 0), [(1000, 1000)], False),
+                  (64, (300, 90), [(900, 1300), (1300, 700)], True)]
 
 
 @pytest.mark.parametrize("d,window,lens,varlen", DET_SM90_CASES, ids=lambda c: str(c))
 def test_deterministic_sm90(d, window, lens, varlen):
-    """deterministic=True on the Hopper kernel (csrc/bwd_sm90: dQ added in descending key-block order, a counter per
+    """deterministic=True on the Hopper kernel (csrc/bwd_sm90: dQ added in ascending key-block order, a counter per
     query block): it runs there, 20 runs are bitwise equal, and the gradients match the float32 reference."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper backward kernel runs on compute capability 9.0 only")

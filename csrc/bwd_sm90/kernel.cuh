@@ -1,5 +1,5 @@
-// FlashAttention backward main kernel on Hopper (sm_90a), warp-specialised, d64 and d128 (a relative bias too), no
-// softcap / ALiBi / window / dropout (csrc/bwd handles those and every other GPU); deterministic mode orders the dQ
+// FlashAttention backward main kernel on Hopper (sm_90a), warp-specialised, d64 and d128 (a relative bias, windows
+// too), no softcap / ALiBi / dropout (csrc/bwd handles those and every other GPU); deterministic mode orders the dQ
 // additions with a counter per query block (below). Same preprocess, fp32 dQ
 // accumulator, convert kernel and LSE / D conventions as csrc/bwd (attn/bwd_common.cuh; csrc/bwd.cu picks the kernel).
 //
@@ -104,13 +104,17 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
   const sm90::SectionTile cta = sm90::section_tile(p.h_k * p.b, n_blocks, group);
   const int hk = cta.pair % p.h_k, b = cta.pair / p.h_k, groups = p.h / p.h_k;
   const bwd::Seq seq(p, b);
-  // Deterministic mode (dq_order: a counter per (batch, query head, query block)) adds dQ in descending key-block
-  // order (bwd::last_key_block), so the grid runs the last key block first: a CTA only ever waits for CTAs that
-  // started before it.
-  const int n_block = dq_order ? n_blocks - 1 - cta.block : cta.block;
+  const int n_block = cta.block;
   const int n0 = n_block * kBlockN;
   if (n0 >= seq.sk) return;  // varlen: past this sequence's keys (the whole CTA)
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
+  // Deterministic mode (dq_order: a counter per (batch, query head, query block)) adds dQ in ascending key-block
+  // order (bwd::first_key_block), and each key block walks its query blocks last first: every key block of a causal
+  // pair then reaches query block m at the same step, and waits only for the adds just before its own (key blocks
+  // walking up from their diagonal would reach m one step before the block they wait for).
+  // (The bias's gradient is never deterministic, binding.cpp: its kernel keeps the ascending walk and a register.)
+  const bool descending = !kRelBias && dq_order;
+  auto q_block = [&](int mi) { return kb.m_begin + (descending ? kb.m_count - 1 - mi : mi); };
   const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
   // below).
@@ -143,23 +147,22 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
       const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;  // per (batch, head) in dq_order
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it) {
-        const int m = kb.m_begin + mi;
+        const int m = q_block(mi);
         int* order = dq_order ? dq_order + (int64_t(b) * p.h + head) * m_blocks + m : nullptr;
-        // Deterministic: wait for the adds of the key blocks after this one (both tiles of each at d64).
-        if (order) sm90::counter_wait_eq(order, Tr::kDqTiles * (bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block) + w);
+        // Deterministic: wait for the adds of the key blocks before this one (both tiles of each at d64).
+        if (order) sm90::counter_wait_eq(order, Tr::kDqTiles * (n_block - bwd::first_key_block<kBlockN, kBlockM>(p, seq, m)) + w);
         sm90::mbar_wait(dq_full(w), it & 1);
         for (int panel = 0; panel < kD / 32; ++panel) {
           sm90::tma_reduce_add_4d(&maps.dq_acc, sDq(w) + panel * kBlockM * 128, panel * 32, head,
                                   row0 + m * kBlockM, tma_b);
         }
         sm90::bulk_commit();
+        sm90::bulk_wait_read<0>();  // the tile may be overwritten: the consumers go on
+        sm90::mbar_arrive(dq_empty(w));
         if (order) {
           sm90::bulk_wait<0>();  // the additions are done: the next key block may add
           sm90::counter_release_inc(order);
-        } else {
-          sm90::bulk_wait_read<0>();  // the tile may be overwritten
         }
-        sm90::mbar_arrive(dq_empty(w));
         mi = mi + 1 < kb.m_count ? mi + 1 : 0;
         head += mi == 0;
       }
@@ -177,7 +180,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
     int head = hk * groups, mi = 0;
 #pragma unroll 1
     for (int it = 0; it < iters; ++it) {
-      const int st = it % kStages, m0 = (kb.m_begin + mi) * kBlockM;
+      const int st = it % kStages, m0 = q_block(mi) * kBlockM;
       if (it >= kStages) sm90::mbar_wait(empty(st), (it / kStages - 1) & 1);
       if (lane == 0) {
         sm90::mbar_expect_tx(full(st), 2 * kQBytes);
@@ -227,7 +230,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
   sm90::mbar_wait(kv_full, 0);     // also: no TMA lands after the CTA (iters == 0)
 
   for (int it = 0; it < iters; ++it) {
-    const int st = it % kStages, m0 = (kb.m_begin + mi) * kBlockM;
+    const int st = it % kStages, m0 = q_block(mi) * kBlockM;
     const uint32_t q_s = sQ(st), do_s = sDO(st);
     const uint32_t dst = base + Tr::kDSt + (Tr::kSharedDq ? it % 2 : wg) * Tr::kDStBytes;  // dS^T tile
     const float* lse_st = s_lse + st * kBlockM;
