@@ -3,7 +3,7 @@
 # VARIANTS (.wt/<name>, e.g. `git worktree add .wt/base main`; carry them), runs the bwd tests on "new", then
 # ROUNDS (3) alternating rounds of tools/kernel_ab.py per build (cuDNN timed in every process) and prints the
 # median of each: ms, new / variant, cuDNN / new, the widest round-to-round spread ((max - min) / median) of the
-# row; AB_DET=1 adds new's deterministic backward (det / new).   VARIANTS="base" bash tools/kernel_ab.sh
+# row; AB_DET=1 adds each build's deterministic backward (speed / its default: "<build> det").   VARIANTS="base" bash tools/kernel_ab.sh
 # PASS=fwd times the forward instead (and runs the forward kernel tests), PASS="bwd fwd" both from the same builds
 # (ab_bwd.csv, ab_fwd.csv); HF_FLASH_DISABLE_SM90=1 times the mma.sync kernels.
 set -o pipefail
@@ -36,7 +36,7 @@ for pass in $PASS; do
   for round in $(seq "${ROUNDS:-3}"); do
     PYTHONPATH=$ROOT AB_DET=${AB_DET:-0} timeout 300 python3 tools/kernel_ab.py new $pass >> "$OUT/ab_$pass.csv" 2>>"$OUT/ab.err"
     for v in $VARIANTS; do
-      (cd ".wt/$v" && PYTHONPATH=$PWD AB_DET=0 timeout 300 python3 "$ROOT/tools/kernel_ab.py" "$v" $pass >> "$OUT/ab_$pass.csv" \
+      (cd ".wt/$v" && PYTHONPATH=$PWD AB_DET=${AB_DET:-0} timeout 300 python3 "$ROOT/tools/kernel_ab.py" "$v" $pass >> "$OUT/ab_$pass.csv" \
         2>>"$OUT/ab.err")
     done
   done
@@ -47,17 +47,19 @@ import collections, statistics, sys
 t = collections.defaultdict(list)
 for line in open(sys.argv[1]):
     tag, case, backend, ms, _ = line.strip().split(",")
-    t[(case, tag if backend == "hf_flash" else backend)].append(float(ms))
-tags = ["new", *sys.argv[2:]] + [x for x in ("det",) if any(k[1] == x for k in t)]
+    t[(case, {"hf_flash": tag, "det": tag + " det"}.get(backend, backend))].append(float(ms))
+builds = ["new", *sys.argv[2:]]
+dets = [x + " det" for x in builds if any(k[1] == x + " det" for k in t)]
 med = lambda case, x: statistics.median(t[(case, x)])
-print(f"{'case':18} " + " ".join(f"{x:>8}" for x in tags) + f" {'cudnn':>8} "
-      + " ".join(f"{x + '/new' if x == 'det' else 'new/' + x:>9}" for x in tags[1:]) + "  cudnn/new  spread")
+cols = builds + dets + ["cudnn"]
+print(f"{'case':18} " + " ".join(f"{x:>9}" for x in cols) + " "
+      + " ".join(f"{'new/' + x:>9}" for x in builds[1:]) + " " + " ".join(f"{x + '/':>10}" for x in dets)
+      + "  cudnn/new  spread")
 for case in dict.fromkeys(c for c, _ in t):
-    ms = [med(case, x) for x in tags]
-    cudnn = med(case, "cudnn")
-    spread = max((max(t[(case, x)]) - min(t[(case, x)])) / med(case, x) for x in tags + ["cudnn"])
-    ratios = [m / ms[0] if x != "det" else ms[0] / m for x, m in zip(tags[1:], ms[1:])]
-    print(f"{case:18} " + " ".join(f"{m:8.3f}" for m in ms) + f" {cudnn:8.3f} "
-          + " ".join(f"{r:9.3f}" for r in ratios) + f"  {cudnn / ms[0]:9.3f}  {spread:5.1%}")
+    ms = {x: med(case, x) for x in cols}
+    spread = max((max(t[(case, x)]) - min(t[(case, x)])) / ms[x] for x in cols)
+    print(f"{case:18} " + " ".join(f"{ms[x]:9.3f}" for x in cols) + " "
+          + " ".join(f"{ms[x] / ms['new']:9.3f}" for x in builds[1:]) + " "
+          + " ".join(f"{ms[x[:-4]] / ms[x]:10.3f}" for x in dets) + f"  {ms['cudnn'] / ms['new']:9.3f}  {spread:5.1%}")
 PY
 done

@@ -372,10 +372,9 @@ __device__ __forceinline__ KeyBlock query_blocks(const BwdParams& p, const Seq& 
   const int m_begin = m_lo / kBlockM;
   return {n0, m_begin, m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0};
 }
-// Deterministic dQ on Hopper: the key blocks that add into query block m start at first_key_block(m)
-// (query_blocks starts and ends later for later key blocks, so they are a contiguous run). They add in ascending
-// order, the order the grid starts them in (sm90/schedule.cuh: a pair's block n before n + 1), so key block n is
-// the (n - first)-th to add and a CTA only ever waits for CTAs that started before it.
+// Deterministic dQ on Hopper (bwd_sm90/kernel.cuh): the key blocks that add into query block m are the contiguous
+// run first_key_block(m) .. last_key_block(m) (query_blocks starts and ends later for later key blocks); key block
+// n is the (n - first)-th to add in ascending order, the (last - n)-th in descending order.
 template <int kBlockN, int kBlockM>
 __device__ __forceinline__ int first_key_block(const BwdParams& p, const Seq& seq, int m) {
   const KeyWindow w(p, seq.sq, seq.sk);
@@ -383,6 +382,14 @@ __device__ __forceinline__ int first_key_block(const BwdParams& p, const Seq& se
   // + lo_off.
   const int x = m * kBlockM + w.lo_off + 1 - kBlockN;
   return x > 0 ? (x + kBlockN - 1) / kBlockN : 0;
+}
+template <int kBlockN, int kBlockM>
+__device__ __forceinline__ int last_key_block(const BwdParams& p, const Seq& seq, int m) {
+  const KeyWindow w(p, seq.sq, seq.sk);
+  // Key block n reaches m iff row_lo(n kBlockN) < (m + 1) kBlockM, i.e. n kBlockN < (m + 1) kBlockM + hi_off.
+  const int x = (m + 1) * kBlockM + w.hi_off;
+  const int last = x > 0 ? (x + kBlockN - 1) / kBlockN - 1 : -1;
+  return min(last, (seq.sk + kBlockN - 1) / kBlockN - 1);
 }
 
 // The start of a key block, shared by the sm80 main kernels: K and V into smem (one cp.async group) and its

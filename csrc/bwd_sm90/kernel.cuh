@@ -104,16 +104,20 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
   const sm90::SectionTile cta = sm90::section_tile(p.h_k * p.b, n_blocks, group);
   const int hk = cta.pair % p.h_k, b = cta.pair / p.h_k, groups = p.h / p.h_k;
   const bwd::Seq seq(p, b);
-  const int n_block = cta.block;
+  // Deterministic mode (dq_order: a counter per (batch, query head, query block)) orders the dQ additions into a
+  // query block by key block, in the order the grid starts the key blocks, so a CTA only ever waits for CTAs that
+  // started before it. d128 adds in ascending order (the grid's own, heaviest causal blocks first), each key block
+  // walking its query blocks last first: every key block of a causal pair reaches query block m at the same step.
+  // d64 adds in descending order with the grid reversed, walking up from the diagonal: each key block reaches m one
+  // step after the one it waits for. d64's two dQ tiles a query block make that chain twice as long for half the
+  // arithmetic, so its slack wins over the heavy-first grid there (docs/design/backward-sm90.md).
+  constexpr bool kAscendingAdds = kD == 128;
+  const int n_block = dq_order && !kAscendingAdds ? n_blocks - 1 - cta.block : cta.block;
   const int n0 = n_block * kBlockN;
   if (n0 >= seq.sk) return;  // varlen: past this sequence's keys (the whole CTA)
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
-  // Deterministic mode (dq_order: a counter per (batch, query head, query block)) adds dQ in ascending key-block
-  // order (bwd::first_key_block), and each key block walks its query blocks last first: every key block of a causal
-  // pair then reaches query block m at the same step, and waits only for the adds just before its own (key blocks
-  // walking up from their diagonal would reach m one step before the block they wait for).
   // (The bias's gradient is never deterministic, binding.cpp: its kernel keeps the ascending walk and a register.)
-  const bool descending = !kRelBias && dq_order;
+  const bool descending = kAscendingAdds && !kRelBias && dq_order;
   auto q_block = [&](int mi) { return kb.m_begin + (descending ? kb.m_count - 1 - mi : mi); };
   const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
@@ -149,8 +153,12 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
       for (int it = 0; it < iters; ++it) {
         const int m = q_block(mi);
         int* order = dq_order ? dq_order + (int64_t(b) * p.h + head) * m_blocks + m : nullptr;
-        // Deterministic: wait for the adds of the key blocks before this one (both tiles of each at d64).
-        if (order) sm90::counter_wait_eq(order, Tr::kDqTiles * (n_block - bwd::first_key_block<kBlockN, kBlockM>(p, seq, m)) + w);
+        // Deterministic: wait for the adds of the key blocks before this one in the order (both tiles of each at d64).
+        if (order) {
+          const int before = kAscendingAdds ? n_block - bwd::first_key_block<kBlockN, kBlockM>(p, seq, m)
+                                            : bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block;
+          sm90::counter_wait_eq(order, Tr::kDqTiles * before + w);
+        }
         sm90::mbar_wait(dq_full(w), it & 1);
         for (int panel = 0; panel < kD / 32; ++panel) {
           sm90::tma_reduce_add_4d(&maps.dq_acc, sDq(w) + panel * kBlockM * 128, panel * 32, head,
