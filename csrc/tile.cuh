@@ -122,6 +122,31 @@ __device__ __forceinline__ Philox4 philox(uint64_t seed, uint32_t c0, uint32_t c
   }
   return {c0, c1, c2, c3};
 }
+__device__ __forceinline__ uint32_t philox_word(const Philox4& r, int i) {  // word i (0..3), i at run time
+  return i & 2 ? (i & 1 ? r.w : r.z) : (i & 1 ? r.y : r.x);
+}
+// The dropout rule draws one Philox block per 4 consecutive keys of a row and gives key j word j & 3. A thread's
+// fragment needs a few words of each of several blocks that other lanes need the rest of, so the lanes that share
+// blocks split them, each drawing one, and swap words with shuffles (whole warp: no lane may skip the call).
+//
+// Lanes lane ^ (q << 2), q = 0..3, need word q of the same four blocks (counters c0[k], row[k], k = 0..3): lane q
+// draws block q and the four swap words as a 4 x 4 transpose. Returns word q of block k in w[k].
+__device__ __forceinline__ void philox_quad(uint32_t (&w)[4], uint64_t seed, const uint32_t (&c0)[4],
+                                            const uint32_t (&row)[4], uint32_t c2, uint32_t c3, int lane) {
+  const int q = (lane >> 2) & 3;
+  const Philox4 r = philox(seed, c0[q], row[q], c2, c3);
+  uint32_t got[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // from lane q ^ k (block q ^ k): its word q, i.e. the sender's (own ^ k)
+    const uint32_t give = philox_word(r, q ^ k);
+    got[k] = k ? __shfl_xor_sync(0xffffffffu, give, k << 2) : give;
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int x = q ^ k;  // block k arrived in round x
+    w[k] = x & 2 ? (x & 1 ? got[3] : got[2]) : (x & 1 ? got[1] : got[0]);
+  }
+}
 
 }  // namespace tile
 }  // namespace hf_flash
