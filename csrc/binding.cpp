@@ -209,7 +209,7 @@ void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const a
                       "hf_flash: dropout needs rng_state, an int64 (2,) tensor on q's device");
     p.rng_state = rng_state->data_ptr<int64_t>();
     p.rp_dropout = 1.0f / (1.0f - float(dropout_p));
-    p.dropout_threshold = uint32_t(std::min(dropout_p * 4294967296.0, 4294967295.0));
+    p.dropout_threshold = uint32_t(std::min(dropout_p * 65536.0, 65535.0));  // 16-bit draws (tile::dropout_bits)
   }
   p.is_bf16 = q.scalar_type() == at::kBFloat16;
   const auto* props = at::cuda::getCurrentDeviceProperties();

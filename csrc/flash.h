@@ -64,14 +64,13 @@ struct FwdParams {
   const float* __restrict__ rel_bias;
   int rel_bias_radius;
 
-  // Dropout on P (after softmax), kept values scaled by 1/(1-p). The mask for
-  // element (batch, head, i, j) comes from Philox4x32-10 with
-  //   key     = (seed_lo, seed_hi)            seed   = rng_state[0]
-  //   counter = (j >> 2, i, batch*h + head, offset_lo)  offset = rng_state[1]
-  // taking output word (j & 3); the element is dropped iff word < dropout_threshold.
+  // Dropout on P (after softmax), kept values scaled by 1/(1-p). The mask for element (batch, head, i, j) comes
+  // from Philox4x32-10 keyed by (seed_lo, seed_hi), seed = rng_state[0], counter (.., .., batch*h + head,
+  // offset_lo), offset = rng_state[1]: 16 bits an element, 8 elements a block (tile::dropout_bits states the rule);
+  // the element is dropped iff its bits < dropout_threshold.
   float dropout_p;                 // probability of dropping; 0 = off
   float rp_dropout;                // 1 / (1 - dropout_p)
-  uint32_t dropout_threshold;      // dropout_p * 2^32, saturated
+  uint32_t dropout_threshold;      // dropout_p * 2^16, saturated at 2^16 - 1
   const int64_t* __restrict__ rng_state;  // device (2,) int64, nullptr when dropout_p == 0
 
   bool is_bf16;       // else fp16

@@ -122,30 +122,26 @@ __device__ __forceinline__ Philox4 philox(uint64_t seed, uint32_t c0, uint32_t c
   }
   return {c0, c1, c2, c3};
 }
-__device__ __forceinline__ uint32_t philox_word(const Philox4& r, int i) {  // word i (0..3), i at run time
-  return i & 2 ? (i & 1 ? r.w : r.z) : (i & 1 ? r.y : r.x);
+// The dropout rule (hf_flash/reference.py dropout_keep states the same; FwdParams the seed and offset): element
+// (i, j) of (batch, head) draws 16 bits, half (j >> 3) & 1 of word (i >> 3) & 3 of the Philox block at counter
+// (dropout_c0(j), dropout_c1(i), batch * h + head, offset), and is dropped iff they are < dropout_threshold. One
+// block covers rows a, a + 8, a + 16, a + 24 (a = i & 7, a 32-row group) x keys b, b + 8 (b = j & 7, a 16-key
+// group): the eight elements one thread holds of the forward's S fragments (its rows g + {0, 8} of two m16 tiles x
+// columns 2t + e of two n8 tiles) and of the backward's Sᵀ fragments (keys g + {0, 8} x rows 2t + e of four n8 tiles).
+__device__ __forceinline__ uint32_t dropout_c0(int key) { return uint32_t(key >> 4) * 8 + (key & 7); }
+__device__ __forceinline__ uint32_t dropout_c1(int row) { return uint32_t(row >> 5) * 8 + (row & 7); }
+// The 16 bits of word w, upper or lower half (the kernels pass compile-time indices where their fragment layout
+// fixes row % 32 / 8 and key % 16 / 8), and of element (row, key) of the block drawn for it.
+__device__ __forceinline__ uint32_t dropout_bits_at(const Philox4& r, int w, int upper) {
+  const uint32_t word = w & 2 ? (w & 1 ? r.w : r.z) : (w & 1 ? r.y : r.x);
+  return upper ? word >> 16 : word & 0xFFFFu;
 }
-// The dropout rule draws one Philox block per 4 consecutive keys of a row and gives key j word j & 3. A thread's
-// fragment needs a few words of each of several blocks that other lanes need the rest of, so the lanes that share
-// blocks split them, each drawing one, and swap words with shuffles (whole warp: no lane may skip the call).
-//
-// Lanes lane ^ (q << 2), q = 0..3, need word q of the same four blocks (counters c0[k], row[k], k = 0..3): lane q
-// draws block q and the four swap words as a 4 x 4 transpose. Returns word q of block k in w[k].
-__device__ __forceinline__ void philox_quad(uint32_t (&w)[4], uint64_t seed, const uint32_t (&c0)[4],
-                                            const uint32_t (&row)[4], uint32_t c2, uint32_t c3, int lane) {
-  const int q = (lane >> 2) & 3;
-  const Philox4 r = philox(seed, c0[q], row[q], c2, c3);
-  uint32_t got[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {  // from lane q ^ k (block q ^ k): its word q, i.e. the sender's (own ^ k)
-    const uint32_t give = philox_word(r, q ^ k);
-    got[k] = k ? __shfl_xor_sync(0xffffffffu, give, k << 2) : give;
-  }
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int x = q ^ k;  // block k arrived in round x
-    w[k] = x & 2 ? (x & 1 ? got[3] : got[2]) : (x & 1 ? got[1] : got[0]);
-  }
+__device__ __forceinline__ uint32_t dropout_bits(const Philox4& r, int row, int key) {
+  return dropout_bits_at(r, (row >> 3) & 3, (key >> 3) & 1);
+}
+__device__ __forceinline__ Philox4 dropout_block(uint64_t seed, int row, int key, uint32_t batch_head,
+                                                 uint32_t offset) {
+  return philox(seed, dropout_c0(key), dropout_c1(row), batch_head, offset);
 }
 
 }  // namespace tile

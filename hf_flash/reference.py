@@ -42,18 +42,22 @@ def philox(seed: int, c0, c1, c2, c3):
 
 
 def dropout_keep(rng_state, batch: int, num_heads: int, rows, cols, p: float) -> torch.Tensor:
-    """Keep-mask (H, len(rows), len(cols)) of one sequence, as the kernels draw it."""
+    """Keep-mask (H, len(rows), len(cols)) of one sequence, as the kernels draw it (csrc/tile.cuh dropout_bits):
+    element (i, j) takes 16 bits, half (j >> 3) & 1 of word (i >> 3) & 3 of the Philox block at counter
+    ((j >> 4) * 8 + (j & 7), (i >> 5) * 8 + (i & 7), batch * H + head, offset), kept iff they are
+    >= min(p * 2^16, 2^16 - 1)."""
     seed, offset = (int(x) for x in rng_state.tolist())
     seed &= (1 << 64) - 1
     heads = torch.arange(num_heads, dtype=torch.int64, device=rows.device)[:, None, None]
-    c0 = (cols[None, None, :] >> 2).expand(num_heads, len(rows), len(cols))
-    c1 = rows[None, :, None].expand_as(c0)
+    c0 = ((cols >> 4) * 8 + (cols & 7))[None, None, :].expand(num_heads, len(rows), len(cols))
+    c1 = ((rows >> 5) * 8 + (rows & 7))[None, :, None].expand_as(c0)
     c2 = (batch * num_heads + heads).expand_as(c0)
     c3 = torch.full_like(c0, offset & _M32)
     words = torch.stack(philox(seed, c0, c1, c2, c3), dim=-1)
-    word = torch.gather(words, -1, (cols & 3)[None, None, :, None].expand(*c0.shape, 1)).squeeze(-1)
-    threshold = min(int(p * 4294967296.0), _M32)
-    return word >= threshold
+    word = torch.gather(words, -1, ((rows >> 3) & 3)[None, :, None, None].expand(*c0.shape, 1)).squeeze(-1)
+    bits = (word >> (16 * ((cols >> 3) & 1))[None, None, :]) & 0xFFFF
+    threshold = min(int(p * 65536.0), 0xFFFF)
+    return bits >= threshold
 
 
 def relative_positions(rows, cols, seqlen_q, seqlen_k, radius: int):

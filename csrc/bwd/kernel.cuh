@@ -186,21 +186,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         // negated where dropout dropped the element (all dS needs besides dP and D).
         auto probs = [&](auto generic_tag, auto& x, auto& af) {  // af: uint32_t[kBlockM / 16][4]
           constexpr bool kGeneric = decltype(generic_tag)::value;
+          tile::Philox4 drop[2] = {};  // this 32-row group's dropout blocks (column parity e)
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
             const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
             float pv[4];
-            // Element r's dropout word: key key(r) = .. + g + 8 (r / 2) takes word g & 3 of its block (key >> 2) in
-            // row m0 + 8 j + 2 t + r % 2; the 4 lanes of a g / 4 group need the same 4 blocks (philox_quad).
-            uint32_t drop_word[4] = {};
-            if (kGeneric && p.dropout_p > 0) {
-              uint32_t c0[4], rows[4];
+            // Dropout: the thread's keys g + {0, 8} x rows 8 j + 2t + e of four consecutive j (a 32-row group,
+            // m0 a multiple of 32) are one Philox block per e (tile::dropout_bits), drawn at the group's first j.
+            if (kGeneric && p.dropout_p > 0 && j % 4 == 0) {
 #pragma unroll
-              for (int r = 0; r < 4; ++r) {
-                c0[r] = uint32_t(n0 + 16 * warp + g + 8 * (r / 2)) >> 2;
-                rows[r] = uint32_t(m0 + 8 * j + 2 * t + r % 2);
-              }
-              tile::philox_quad(drop_word, seed, c0, rows, uint32_t(b * p.h + head), rng_offset, lane);
+              for (int e = 0; e < 2; ++e)
+                drop[e] = tile::dropout_block(seed, m0 + 8 * j + 2 * t + e, n0 + 16 * warp + g, uint32_t(b * p.h + head),
+                                              rng_offset);
             }
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
@@ -216,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 if (has_rel) s2 += kLog2e * __ldg(rel.rb.table + (rel_block >= 0 ? rel_block : rel.rb.column(key - row)));
                 const float prob = full || w.visible(row, key) ? tile::fast_exp2(s2 - lse_r) : 0.f;
                 bool kept = true;
-                if (p.dropout_p > 0) kept = drop_word[r] >= p.dropout_threshold;
+                if (p.dropout_p > 0) kept = tile::dropout_bits_at(drop[r % 2], j % 4, r / 2) >= p.dropout_threshold;
                 pv[r] = kept ? prob * (p.dropout_p > 0 ? p.rp_dropout : 1.f) : 0.f;
                 const float pd = p.softcap > 0 ? prob * (1.f - th * th) : prob;
                 x[j][r] = kept ? pd : -pd;

@@ -147,9 +147,8 @@ __global__ void __launch_bounds__(kThreads, 1)
               const float prob = full || w.visible(row, key) ? tile::fast_exp2(s2 - s_lse2[qc + e]) : 0.f;
               float dpv = dp[j][2 * h2 + e], pdrop = prob;
               if (p.dropout_p > 0) {
-                const tile::Philox4 r = tile::philox(seed, uint32_t(key) >> 2, row, b * p.h + head, rng_offset);
-                const uint32_t word = (key & 3) == 0 ? r.x : (key & 3) == 1 ? r.y : (key & 3) == 2 ? r.z : r.w;
-                const float keep = word >= p.dropout_threshold ? p.rp_dropout : 0.f;
+                const tile::Philox4 r = tile::dropout_block(seed, row, key, uint32_t(b * p.h + head), rng_offset);
+                const float keep = tile::dropout_bits(r, row, key) >= p.dropout_threshold ? p.rp_dropout : 0.f;
                 pdrop = prob * keep;
                 dpv *= keep;
               }

@@ -122,18 +122,29 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
 
     // ---- dropout on P (the row sum above stays undropped) -----------------------
     if (has_dropout) {
+      // One Philox block a (32-row group, pair of n8 tiles, column parity e): the thread's rows of up to two m16
+      // tiles (warps own 32-row slabs when kMTiles >= 2) x its column 2t + e of the two tiles (tile::dropout_bits).
+      constexpr int kMStep = kMTiles >= 2 ? 2 : 1;
 #pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi)
+      for (int mp = 0; mp < kMTiles; mp += kMStep)
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
+        for (int np = 0; np < kNTiles; np += 2)
 #pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt) {
-            // Columns n0 + nt*8 + 2t + {0,1}: Philox block (j >> 2), words 2*(t&1) + {0,1}.
-            const tile::Philox4 r = tile::philox(seed, uint32_t((n0 + nt * 8) / 4 + t / 2), uint32_t(row_of(mi, half)),
-                                                 uint32_t(batch * p.h + head), rng_offset);
-            const uint32_t w0 = (t & 1) ? r.z : r.x, w1 = (t & 1) ? r.w : r.y;
-            s[mi][nt][half * 2] *= w0 >= p.dropout_threshold ? p.rp_dropout : 0.f;
-            s[mi][nt][half * 2 + 1] *= w1 >= p.dropout_threshold ? p.rp_dropout : 0.f;
+          for (int e = 0; e < 2; ++e) {
+            const int col = n0 + np * 8 + 2 * t + e;
+            const tile::Philox4 r = tile::dropout_block(seed, row_of(mp, 0), col, uint32_t(batch * p.h + head),
+                                                        rng_offset);
+#pragma unroll
+            for (int mi = mp; mi < mp + kMStep; ++mi)
+#pragma unroll
+              for (int nt = np; nt < np + 2; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                  // Word: 32-row slabs start at row % 32 == 0 (m0, warp * 32 and mp * 16 are multiples of 32).
+                  const int w = kMTiles >= 2 ? 2 * (mi - mp) + half : (row_of(mi, half) >> 3) & 3;
+                  const uint32_t bits = tile::dropout_bits_at(r, w, nt - np);  // n0, np * 8: multiples of 16
+                  s[mi][nt][half * 2 + e] *= bits >= p.dropout_threshold ? p.rp_dropout : 0.f;
+                }
           }
     }
 
