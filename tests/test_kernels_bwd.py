@@ -214,6 +214,7 @@ def _bwd_kernel_names(args, deterministic=False):
 @pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
 def test_sm90_kernel_selected(d, causal, monkeypatch):
     """On CC 9.0 the wgmma kernel runs the supported cases; HF_FLASH_DISABLE_SM90=1 switches back to csrc/bwd."""
+    monkeypatch.delenv("HF_FLASH_DISABLE_SM90", raising=False)  # the mma.sync-only A/B runs set it
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper backward kernel runs on compute capability 9.0 only")
     args = _bwd_args(1, 300, 4, 2, d, causal)
@@ -235,9 +236,10 @@ DET_SM90_CASES = [(64, (-1, 0), [(1100, 1000), (1100, 1000)], False),
 
 
 @pytest.mark.parametrize("d,window,lens,varlen", DET_SM90_CASES, ids=lambda c: str(c))
-def test_deterministic_sm90(d, window, lens, varlen):
-    """deterministic=True on the Hopper kernel (csrc/bwd_sm90: dQ added in ascending key-block order, a counter per
-    query block): it runs there, 20 runs are bitwise equal, and the gradients match the float32 reference."""
+def test_deterministic_sm90(d, window, lens, varlen, monkeypatch):
+    """deterministic=True on the Hopper kernel (csrc/bwd_sm90: dQ added in key-block order, a counter per query
+    block): it runs there, 20 runs are bitwise equal, and the gradients match the float32 reference."""
+    monkeypatch.delenv("HF_FLASH_DISABLE_SM90", raising=False)
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper backward kernel runs on compute capability 9.0 only")
     h, hk, dtype = 4, 2, torch.bfloat16
