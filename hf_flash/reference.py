@@ -247,7 +247,7 @@ def sink_rescale(lse, sinks, head_dim: int):
 
 def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
         window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic=False, *, seqused_k=None,
-        sinks=None, rel_bias=None, _first: int = 0):
+        sinks=None, rel_bias=None):
     """Forward: returns out (like q) and lse (float32; (B, H, Sq) dense, (H, T) varlen). Differentiable by
     autograd (the dropout mask is a function of rng_state, so the backward sees the forward's). ``seqused_k``
     (B,): valid keys per row of a KV cache (fwd_kvcache). ``sinks`` (H,): learned attention sinks
@@ -257,12 +257,17 @@ def fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax
     if cu_seqlens_q is not None:  # (T, H, D) -> out (T, H, D), lse (H, T), one sequence at a time
         outs, lses = [q[:0] * 0], [q.new_empty(q.shape[1], 0, dtype=torch.float32)]
         for i, (rq, rk) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
-            o, l = fwd(q[None, rq], k[None, rk], v[None, rk], None, None, 0, 0, *_sequence_args(args, i),
-                       sinks=sinks, rel_bias=rel_bias, _first=i)
+            o, l = _fwd_dense(q[None, rq], k[None, rk], v[None, rk], _sequence_args(args, i), None, sinks,
+                              rel_bias, i)
             outs.append(o[0])
             lses.append(l[0])
         return torch.cat(outs), torch.cat(lses, 1)
-    batch = _prepare(q, k, v, seqused_k, args, rel_bias, _first)
+    return _fwd_dense(q, k, v, args, seqused_k, sinks, rel_bias, 0)
+
+
+def _fwd_dense(q, k, v, args, seqused_k, sinks, rel_bias, first: int):
+    """fwd of dense (B, S, H, D) inputs; ``first``: the batch index of row 0 (a varlen sequence's own)."""
+    batch = _prepare(q, k, v, seqused_k, args, rel_bias, first)
     out, lse = batch.forward()
     if sinks is not None:
         lse, factor = sink_rescale(lse, sinks, 1)
@@ -291,7 +296,7 @@ def fwd_kvcache(q, k_cache, v_cache, cache_seqlens, cache_leftpad, softmax_scale
 
 def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
         window_left, window_right, softcap, alibi_slopes, dropout_p, rng_state, deterministic=False, *,
-        rel_bias=None, _first: int = 0):
+        rel_bias=None):
     """Backward by recomputation from the saved LSE, as the kernels do it: returns dq, dk, dv, plus d rel_bias
     (the table's dtype) when ``rel_bias`` is given. The kernels' twin in tests; the reference path itself
     differentiates fwd with autograd."""
@@ -300,13 +305,18 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
         drel = None if rel_bias is None else torch.zeros_like(rel_bias)
         for i, (rq, rk) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
-            g = bwd(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq], lse[None, :, rq], None,
-                    None, 0, 0, *_sequence_args(args, i), rel_bias=rel_bias, _first=i)
+            g = _bwd_dense(dout[None, rq], q[None, rq], k[None, rk], v[None, rk], out[None, rq], lse[None, :, rq],
+                           _sequence_args(args, i), rel_bias, i)
             dq[rq], dk[rk], dv[rk] = g[0][0], g[1][0], g[2][0]
             if drel is not None:
                 drel += g[3]
         return (dq, dk, dv) if rel_bias is None else (dq, dk, dv, drel)
-    batch = _prepare(q, k, v, None, args, rel_bias, _first)
+    return _bwd_dense(dout, q, k, v, out, lse, args, rel_bias, 0)
+
+
+def _bwd_dense(dout, q, k, v, out, lse, args, rel_bias, first: int):
+    """bwd of dense (B, S, H, D) inputs; ``first`` as in _fwd_dense."""
+    batch = _prepare(q, k, v, None, args, rel_bias, first)
     dq, dk, dv, drel = batch.backward(_padded(out, batch.q.dtype), _padded(dout, batch.q.dtype),
                                       lse.to(batch.q.dtype))
     grads = tuple(torch.empty_like(t).copy_(g.transpose(1, 2)) for t, g in zip((q, k, v), (dq, dk, dv)))
