@@ -94,10 +94,9 @@ def _visible(rows, cols, seqlen_q, seqlen_k, window_left: int, window_right: int
 
 
 class _Batch:
-    """The op arguments as a padded batch: q (B, H, Sq, D), k/v (B, Hk, Sk, D),
-    with each sequence's true lengths in len_q / len_k (B,). Rows past len_q
-    are padding: computed, then dropped by the caller. ``first`` is the batch index of row 0 (a varlen
-    sequence run on its own keeps its index in the dropout mask)."""
+    """The op arguments of a dense batch: q (B, H, Sq, D), k/v (B, Hk, Sk, D), with the keys each row may see
+    in len_k (B,) (a KV cache's valid rows; len_q the query count). ``first`` is the batch index of row 0 (a
+    varlen sequence run on its own keeps its index in the dropout mask)."""
 
     def __init__(self, q, k, v, len_q, len_k, args, rel_bias=None, first: int = 0):
         self.q, self.k, self.v, self.len_q, self.len_k, self.first = q, k, v, len_q, len_k, first
@@ -198,7 +197,7 @@ class _Batch:
         return dq, fold(dk), fold(dv), drel
 
 
-def _padded(x, dtype):
+def _math_layout(x, dtype):
     """(B, S, H, D) in the op layout -> (B, H, S, D) in the math dtype."""
     return x.to(dtype).transpose(1, 2)
 
@@ -227,7 +226,7 @@ def _prepare(q, k, v, seqused_k, args, rel_bias=None, first: int = 0):
     dt = _compute_dtype(q)
     len_q = torch.full((q.shape[0],), q.shape[1], device=q.device)
     len_k = torch.full((q.shape[0],), k.shape[1], device=q.device) if seqused_k is None else seqused_k.long()
-    return _Batch(_padded(q, dt), _padded(k, dt), _padded(v, dt), len_q, len_k, args, rel_bias, first)
+    return _Batch(_math_layout(q, dt), _math_layout(k, dt), _math_layout(v, dt), len_q, len_k, args, rel_bias, first)
 
 
 def sink_rescale(lse, sinks, head_dim: int):
@@ -317,7 +316,7 @@ def bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 def _bwd_dense(dout, q, k, v, out, lse, args, rel_bias, first: int):
     """bwd of dense (B, S, H, D) inputs; ``first`` as in _fwd_dense."""
     batch = _prepare(q, k, v, None, args, rel_bias, first)
-    dq, dk, dv, drel = batch.backward(_padded(out, batch.q.dtype), _padded(dout, batch.q.dtype),
+    dq, dk, dv, drel = batch.backward(_math_layout(out, batch.q.dtype), _math_layout(dout, batch.q.dtype),
                                       lse.to(batch.q.dtype))
     grads = tuple(torch.empty_like(t).copy_(g.transpose(1, 2)) for t, g in zip((q, k, v), (dq, dk, dv)))
     return grads if rel_bias is None else (*grads, drel.to(rel_bias.dtype))

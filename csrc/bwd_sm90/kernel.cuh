@@ -117,8 +117,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
   if (n0 >= seq.sk) return;  // varlen: past this sequence's keys (the whole CTA)
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
   // (The bias's gradient is never deterministic, binding.cpp: its kernel keeps the ascending walk and a register.)
-  const bool descending = kAscendingAdds && !kRelBias && dq_order;
-  auto q_block = [&](int mi) { return kb.m_begin + (descending ? kb.m_count - 1 - mi : mi); };
+  const bool walk_down = kAscendingAdds && !kRelBias && dq_order;
+  auto q_block = [&](int mi) { return kb.m_begin + (walk_down ? kb.m_count - 1 - mi : mi); };
   const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
   // below).
