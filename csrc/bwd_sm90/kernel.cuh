@@ -37,11 +37,13 @@
 namespace hf_flash {
 namespace bwd_sm90 {
 
-template <bool kIsBf16, int kHeadDim>
+template <bool kIsBf16, int kHeadDim, bool kRelBias>
 struct BwdSm90Traits {
-  // 128 keys x 64 queries: dK, dV and S^T, dP^T (or dQ) fit in 240 registers with room for the scheduler (at d64,
-  // 128 queries with the branch-free mask below made ptxas spill and serialise the wgmmas).
-  static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = bwd::kSm90BlockM;
+  // 128 keys x kBlockM queries. d128: 64 queries (dK, dV and S^T, dP^T fill the 240 registers). d64: 128 queries,
+  // twice the arithmetic per operand load and per dQ reduction, which fits because P^T and dS^T reach their
+  // wgmmas through shared memory (kPdsSmem); with the bias, 64 (its staging rows do not fit beside 128-row tiles).
+  static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = kHeadDim == 64 && !kRelBias ? 128 : 64;
+  static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
   static constexpr int kRelJ = kBlockM / 8;  // a consumer warp's tile: 16 keys x kBlockM queries
   static_assert(kHeadDim == 64 || kHeadDim == 128, "instantiated head dims");
   static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
@@ -52,6 +54,11 @@ struct BwdSm90Traits {
   // dQ over its own 64 keys from its own dS^T tile into its own dQ tile, and nothing in the loop waits for the
   // other warpgroup. Either way dq is kBlockM x 64 per warpgroup.
   static constexpr bool kSharedDq = kHeadDim == 128;
+  // P^T and dS^T as shared A operands of the dV and dK wgmmas (K-major rows of this warpgroup's tile: P^T first,
+  // dS^T over it once dV has read it), not register fragments: 64 registers a thread fewer, which 128 query rows
+  // need (with fragments ptxas spilled and serialised the wgmmas).
+  static constexpr bool kPdsSmem = kBlockM == 128;
+  static_assert(!kPdsSmem || !kSharedDq, "P^T shares the tile of the warpgroup's own dS^T");
   static constexpr int kDStRows = kSharedDq ? kBlockN : 64, kDqTiles = kSharedDq ? 1 : 2;
   static constexpr int kDqThreads = kSharedDq ? 2 * 128 : 128;  // arrivals on a dq_full
   static constexpr int kThreads = 3 * 128, kConsumerThreads = 2 * 128, kStages = 2;
@@ -67,7 +74,8 @@ struct BwdSm90Traits {
                        kDsum = kLse + kStages * kRowBytes, kBars = kDsum + kStages * kRowBytes,
                        kSmemBytes = kBars + (5 + 2 * kStages) * 8 + 1024;  // + alignment slack
   static_assert(kDSt % 1024 == 0 && kDStBytes % 1024 == 0 && kDq % 1024 == 0, "swizzled panels");
-  static_assert(bwd::rel_bias_fits_sm90(kSmemBytes, kRelJ), "shared memory per block, d rel_bias included");
+  static_assert(kSmemBytes <= bwd::kSm90SmemOptin && (!kRelBias || bwd::rel_bias_fits_sm90(kSmemBytes, kRelJ)),
+                "shared memory per block, d rel_bias included");
 };
 
 // TMA maps of q, dout, dq_acc (boxes of kBlockM rows) and k, v (kBlockN rows): dims (d, heads, rows, batch),
@@ -79,11 +87,11 @@ struct TmaMaps {
 // kRelBias: T5's relative bias and its gradient (p.rel_bias). A kernel of its own: the bias's registers in the
 // kernel without it made ptxas serialise the d128 wgmmas.
 template <bool kIsBf16, int kHeadDim, bool kRelBias>
-__global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
+__global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kThreads, 1)
     bwd_sm90_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
                 const float* __restrict__ dsum, int* __restrict__ dq_order, int group) {
 #ifdef HF_SM90_ENABLED
-  using Tr = BwdSm90Traits<kIsBf16, kHeadDim>;
+  using Tr = BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>;
   constexpr int kD = kHeadDim, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
   constexpr int kQBytes = Tr::kQBytes;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -277,7 +285,17 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
       const int key = key0 + 8 * h;
       last[h] = key >= seq.sk ? INT_MIN : min(seq.sq, w.row_hi(key) + 1) - row0;
     }
-    uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+    constexpr int kFrags = Tr::kPdsSmem ? 1 : kBlockM / 16;  // register A fragments (unused with kPdsSmem)
+    uint32_t pa[kFrags][4], dsa[kFrags][4];
+    // Element pair (key row dst_row + 16 warp + g + 8 h2, query columns 8 j + 2t, + 1) of the tile at dst: its
+    // 16-byte chunk j % 8 of a panel sits at chunk (j % 8) ^ g, and panel_offset(kRows, kr, 2t) carries g in
+    // address bits 4..6, so one XOR reaches it (keeps ptxas from holding 8 swizzled offsets per row in registers).
+    auto store_pair = [&](int j, int h2, uint32_t packed) {
+      const uint32_t row = dst + sm90::panel_offset(kRows, dst_row + 16 * warp + g + 8 * h2, 2 * t);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kRows * 128), "r"(packed));
+    };
+    // This warpgroup's kRows key rows of the tile, K-major: the A operand of dV (P^T) and dK (dS^T) with kPdsSmem.
+    const uint64_t rows_desc = sm90::desc(dst + dst_row * 128, 16);
     // The pointwise passes are straight-line code, the bias's a compile-time variant (kRelBias): a branch on it inside
     // the unrolled loops cut them into basic blocks the scheduler could not interleave (1.25x the d64 backward's
     // time; 3% at d128).
@@ -300,8 +318,18 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
           const float prob = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -lse2));
           s[j][r] = (c - 8 * (r / 2) >= first) & (c < last[r / 2]) ? prob : 0.f;
         }
-        pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
-        pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
+        const uint32_t lo = tile::pack2<kIsBf16>(s[j][0], s[j][1]), hi = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
+        if constexpr (Tr::kPdsSmem) {
+          store_pair(j, 0, lo);
+          store_pair(j, 1, hi);
+        } else {
+          pa[j / 2][(j % 2) * 2] = lo;
+          pa[j / 2][(j % 2) * 2 + 1] = hi;
+        }
+      }
+      if constexpr (Tr::kPdsSmem) {
+        sm90::fence_proxy_async();
+        sm90::named_barrier_sync(1 + wg, 128);  // the warpgroup's P^T rows written
       }
       // dV += P^T dO, issued now so that it runs under the dS^T arithmetic: k16 steps are 16 query rows (2048
       // bytes) of the MN-major dO panels.
@@ -310,8 +338,14 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
         sm90::fence();
         sm90::fence_operand(dv);
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk)
-          sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc_add(do_desc, kk * 2048), true);
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+          if constexpr (Tr::kPdsSmem) {
+            sm90::mma_ss<kD, kIsBf16, 0, 1>(dv, sm90::k_major_step<kRows>(rows_desc, kk),
+                                            sm90::desc_add(do_desc, kk * 2048), true);
+          } else {
+            sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc_add(do_desc, kk * 2048), true);
+          }
+        }
         sm90::commit();
       }
 
@@ -328,18 +362,29 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
 #pragma unroll
         for (int r = 0; r < 4; ++r) ds[r] = s[j][r] * fmaf(dp[j][r], p.softmax_scale, r % 2 ? -dsc.y : -dsc.x);
         if constexpr (kRel) rel.step(j, ds);
+        if constexpr (Tr::kPdsSmem) {  // stored once dV has read P^T from the tile
 #pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const uint32_t packed = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
-          dsa[j / 2][(j % 2) * 2 + h2] = packed;
-          // Key row kr = dst_row + 16 warp + g + 8 h2 of the dS^T tile: its 16-byte chunk j % 8 of a panel sits at
-          // chunk (j % 8) ^ g, and panel_offset(kRows, kr, 2t) carries g in address bits 4..6, so one XOR reaches
-          // it (keeps ptxas from holding 8 swizzled offsets per row in registers across the loop).
-          const uint32_t row = dst + sm90::panel_offset(kRows, dst_row + 16 * warp + g + 8 * h2, 2 * t);
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kRows * 128), "r"(packed));
+          for (int r = 0; r < 4; ++r) dp[j][r] = ds[r];
+        } else {
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const uint32_t packed = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
+            dsa[j / 2][(j % 2) * 2 + h2] = packed;
+            store_pair(j, h2, packed);
+          }
         }
       }
       if constexpr (kRel) rel.finish();
+      if constexpr (Tr::kPdsSmem) {
+        // dV done: a warp's wgmma reads only its own 16 rows of the K-major A tile, which only it overwrites.
+        sm90::wait<0>();
+        sm90::fence_operand(dv);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          store_pair(j, 0, tile::pack2<kIsBf16>(dp[j][0], dp[j][1]));
+          store_pair(j, 1, tile::pack2<kIsBf16>(dp[j][2], dp[j][3]));
+        }
+      }
     };
     pointwise(std::bool_constant<kRelBias>{});
     sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
@@ -365,7 +410,14 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim>::kThreads, 1)
     }
     sm90::commit();
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc_add(q_desc, kk * 2048), true);
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      if constexpr (Tr::kPdsSmem) {
+        sm90::mma_ss<kD, kIsBf16, 0, 1>(dk, sm90::k_major_step<kRows>(rows_desc, kk), sm90::desc_add(q_desc, kk * 2048),
+                                        true);
+      } else {
+        sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc_add(q_desc, kk * 2048), true);
+      }
+    }
     sm90::commit();
     if constexpr (kRelBias) rel.commit();  // d rel_bias under the dQ and dK wgmmas
     sm90::wait<1>();  // dQ (and dV) done; dK runs under the dQ tile stores

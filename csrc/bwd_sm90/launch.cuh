@@ -10,11 +10,11 @@ namespace hf_flash {
 // Before launching anything: cudaErrorNoKernelImageForDevice when this build carries no sm_90a code for the
 // kernel, cudaErrorNotSupported when the driver cannot describe the tensors to TMA (e.g. strides that are not
 // multiples of 16 bytes); run_bwd then runs the mma.sync backward.
-template <bool kIsBf16, int kHeadDim>
-cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
-  using Tr = bwd_sm90::BwdSm90Traits<kIsBf16, kHeadDim>;
-  auto kernel = p.rel_bias ? &bwd_sm90::bwd_sm90_kernel<kIsBf16, kHeadDim, true>
-                           : &bwd_sm90::bwd_sm90_kernel<kIsBf16, kHeadDim, false>;
+namespace bwd_sm90 {
+template <bool kIsBf16, int kHeadDim, bool kRelBias>
+cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
+  using Tr = BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>;
+  auto kernel = &bwd_sm90_kernel<kIsBf16, kHeadDim, kRelBias>;
   static const bool has_sm90a = sm90::has_sm90a_code(kernel);
   if (!has_sm90a) return cudaErrorNoKernelImageForDevice;
   bwd::BwdWorkspace ws(p);
@@ -25,7 +25,7 @@ cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
   const int rows_k = varlen ? p.total_k : p.seqlen_k;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN;
   const sm90::TmaElem elem = sm90::tma_elem(kIsBf16);
-  bwd_sm90::TmaMaps maps;
+  TmaMaps maps;
   cudaError_t err = sm90::make_rows_map(&maps.q, p.q, elem, p.d, p.h, rows_q, batches, p.q_head_stride,
                                         p.q_row_stride, p.q_batch_stride, kBlockM);
   if (err == cudaSuccess) {
@@ -59,6 +59,13 @@ cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
                                         int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2);
   kernel<<<n_blocks * pairs, Tr::kThreads, smem, stream>>>(pk, maps, ws.dsum, ws.counters, group);
   return bwd::bwd_epilogue<kIsBf16, kHeadDim>(p, ws, stream);
+}
+}  // namespace bwd_sm90
+
+template <bool kIsBf16, int kHeadDim>
+cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
+  return p.rel_bias ? bwd_sm90::launch<kIsBf16, kHeadDim, true>(p, stream)
+                    : bwd_sm90::launch<kIsBf16, kHeadDim, false>(p, stream);
 }
 
 }  // namespace hf_flash
