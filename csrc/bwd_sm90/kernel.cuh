@@ -53,12 +53,12 @@ struct BwdSm90Traits {
   // computes dQ columns 64w..64w+63 over all of them into one dQ tile; else (d64) each warpgroup computes all of
   // dQ over its own 64 keys from its own dS^T tile into its own dQ tile, and nothing in the loop waits for the
   // other warpgroup. Either way dq is kBlockM x 64 per warpgroup.
-  static constexpr bool kSharedDq = kHeadDim == 128;
+  static constexpr bool kSharedDq = kBlockM * kD >= 2 * 64 * 64;
+  static_assert(kSharedDq ? kBlockM * kD == 2 * 64 * 64 : kBlockM == 64, "a 64 x 64 piece of dQ per warpgroup");
   // P^T and dS^T as shared A operands of the dV and dK wgmmas (K-major rows of this warpgroup's tile: P^T first,
   // dS^T over it once dV has read it), not register fragments: 64 registers a thread fewer, which 128 query rows
   // need (with fragments ptxas spilled and serialised the wgmmas).
   static constexpr bool kPdsSmem = kBlockM == 128;
-  static_assert(!kPdsSmem || !kSharedDq, "P^T shares the tile of the warpgroup's own dS^T");
   static constexpr int kDStRows = kSharedDq ? kBlockN : 64, kDqTiles = kSharedDq ? 1 : 2;
   static constexpr int kDqThreads = kSharedDq ? 2 * 128 : 128;  // arrivals on a dq_full
   static constexpr int kThreads = 3 * 128, kConsumerThreads = 2 * 128, kStages = 2;
@@ -234,14 +234,19 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
   // dQ: this warpgroup's dS^T rows (kSharedDq: the keys of both warpgroups), its dQ columns (col0..col0 + 63),
   // the rows of K it multiplies, its dQ tile and that tile's mbarriers (kSharedDq: shared by both warpgroups).
   constexpr int kRows = Tr::kDStRows;
-  const int dst_row = Tr::kSharedDq ? 64 * wg : 0, col0 = Tr::kSharedDq ? 64 * wg : 0, tile_w = Tr::kSharedDq ? 0 : wg;
+  // kSharedDq: warpgroup w computes the 64 x 64 piece (row0_dq, col0) of the kBlockM x kD dQ tile, split by columns
+  // at d128 (64 rows) and by rows at d64 (128 rows).
+  constexpr bool kSplitRows = Tr::kSharedDq && kD == 64;
+  const int dst_row = Tr::kSharedDq ? 64 * wg : 0, tile_w = Tr::kSharedDq ? 0 : wg;
+  const int col0 = Tr::kSharedDq && !kSplitRows ? 64 * wg : 0, row0_dq = kSplitRows ? 64 * wg : 0;
   const uint32_t k_dq = sK + (Tr::kSharedDq ? 0 : 64 * wg * 128) + (col0 / 64) * kBlockN * 128;
-  // dQ tile stores: row r = 64 m + 16 warp + g + 8 h2 (r % 8 = g), columns c = col0 + 8 j + 2 t, + 1 in panel
+  // dQ tile stores: row r = row0_dq + 16 warp + g + 8 h2 (r % 8 = g), columns c = col0 + 8 j + 2 t, + 1 in panel
   // c / 32, 16-byte chunk (c % 32) / 4 = 2 (j % 4) + t / 2 stored at chunk ^ g: one XOR by (j % 4) << 5 per j.
   // A half-warp serves a 64-bit store: rows g and g ^ 1 would put column groups j on the same banks, so odd rows
   // store group j ^ 2 where even rows store j (bank-conflict-free; ncu counted 2-way conflicts otherwise).
   const bool dq_swap = g & 1;
-  const uint32_t dq_x = (sDq(tile_w) + (16 * warp + g) * 128 + (((t / 2) ^ g) << 4) + (t % 2) * 8) ^ (dq_swap << 6);
+  const uint32_t dq_x =
+      (sDq(tile_w) + (row0_dq + 16 * warp + g) * 128 + (((t / 2) ^ g) << 4) + (t % 2) * 8) ^ (dq_swap << 6);
   int head = hk * groups, mi = 0;  // of iteration it
   sm90::mbar_wait(kv_full, 0);     // also: no TMA lands after the CTA (iters == 0)
 
@@ -329,7 +334,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       }
       if constexpr (Tr::kPdsSmem) {
         sm90::fence_proxy_async();
-        sm90::named_barrier_sync(1 + wg, 128);  // the warpgroup's P^T rows written
+        sm90::named_barrier_sync(4 + wg, 128);  // the warpgroup's P^T rows written
       }
       // dV += P^T dO, issued now so that it runs under the dS^T arithmetic: k16 steps are 16 query rows (2048
       // bytes) of the MN-major dO panels.
@@ -394,18 +399,17 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       sm90::named_barrier_sync(1 + wg, 128);  // this warpgroup's 4 warps have written its dS^T tile
     }
 
-    // dQ (kBlockM x 64 here) = dS K over kRows keys: dS^T panels (MN-major A, m64 row blocks of queries), K rows
-    // (MN-major B); then dK += dS^T Q.
-    float dq[kBlockM / 64][8][4];
+    // dQ piece (64 x 64) = dS K over kRows keys: the dS^T panel of its 64 queries (MN-major A), K rows (MN-major B);
+    // then dK += dS^T Q.
+    float dq[8][4];
     const uint64_t k_desc = sm90::desc(k_dq, kBlockN * 128), q_desc = sm90::desc(q_s, kBlockM * 128);
     sm90::fence();  // dsa written since the last wgmma
     sm90::fence_operand(dk);
-#pragma unroll
-    for (int m = 0; m < kBlockM / 64; ++m) {
-      const uint64_t ds_desc = sm90::desc(dst + m * kRows * 128, kRows * 128);
+    {
+      const uint64_t ds_desc = sm90::desc(dst + (row0_dq / 64) * kRows * 128, kRows * 128);
 #pragma unroll
       for (int kk = 0; kk < kRows / 16; ++kk)
-        sm90::mma_ss<64, kIsBf16, 1, 1>(dq[m], sm90::desc_add(ds_desc, kk * 2048), sm90::desc_add(k_desc, kk * 2048),
+        sm90::mma_ss<64, kIsBf16, 1, 1>(dq, sm90::desc_add(ds_desc, kk * 2048), sm90::desc_add(k_desc, kk * 2048),
                                         kk > 0);
     }
     sm90::commit();
@@ -424,17 +428,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     sm90::fence_operand(dq);
     if (it > 0) sm90::mbar_wait(dq_empty(tile_w), (it - 1) & 1);  // the reducer has read the previous tile
 #pragma unroll
-    for (int m = 0; m < kBlockM / 64; ++m) {
+    for (int h2 = 0; h2 < 2; ++h2) {
 #pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {  // this lane's group: j ^ 2 on odd rows (dq_x carries its address bit)
-          const uint32_t addr =
-              ((dq_x + (64 * m + 8 * h2) * 128) ^ ((j % 4) << 5)) + (col0 / 32 + j / 4) * kBlockM * 128;
-          const float x = dq_swap ? dq[m][j ^ 2][2 * h2] : dq[m][j][2 * h2];
-          const float y = dq_swap ? dq[m][j ^ 2][2 * h2 + 1] : dq[m][j][2 * h2 + 1];
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y));
-        }
+      for (int j = 0; j < 8; ++j) {  // this lane's group: j ^ 2 on odd rows (dq_x carries its address bit)
+        const uint32_t addr = ((dq_x + 8 * h2 * 128) ^ ((j % 4) << 5)) + (col0 / 32 + j / 4) * kBlockM * 128;
+        const float x = dq_swap ? dq[j ^ 2][2 * h2] : dq[j][2 * h2];
+        const float y = dq_swap ? dq[j ^ 2][2 * h2 + 1] : dq[j][2 * h2 + 1];
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y));
       }
     }
     sm90::fence_proxy_async();  // the stores, visible to the TMA reductions
