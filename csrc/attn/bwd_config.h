@@ -14,8 +14,8 @@ constexpr int kThreads = 256;  // 8 warps
 __host__ __device__ constexpr int block_n(int d) { return d <= 128 ? 128 : d <= 256 ? 64 : 32; }
 // Deterministic mode: at most this many private fp32 dQ accumulators (mma.sync kernels).
 constexpr int kMaxDqCopies = 8;
-// Query rows per block of the Hopper backward: its deterministic mode keeps one dQ-order counter per (batch, query
-// head, block of these rows).
+// Query rows per block of the Hopper backward, its smallest (d64 takes 128): the deterministic mode's dQ-order
+// counters are allocated per (batch, query head, block of these rows), enough for every kernel.
 constexpr int kSm90BlockM = 64;
 
 inline int num_n_blocks(const BwdParams& p) { return (p.seqlen_k + block_n(p.d) - 1) / block_n(p.d); }

@@ -9,21 +9,22 @@
 //             (query head, query block) into a 2-stage ring; its 32 lanes copy that block's LSE and D rows
 //             (0 past the sequence) into the stage with cp.async. A stage's "full" mbarrier completes with the
 //             TMA bytes and the 32 lanes' cp.async arrivals, its "empty" one with the 256 consumer threads'
-//             arrivals once their last wgmma on it has retired. Warp 1 (+ w at d64), one lane: adds the dQ
-//             tile (of consumer warpgroup w) to the fp32 accumulator with kD / 32 TMA reductions
+//             arrivals once their last wgmma on it has retired. Warp 1 (+ w with the bias at d64), one lane:
+//             adds the dQ tile (of consumer warpgroup w) to the fp32 accumulator with kD / 32 TMA reductions
 //             (cp.reduce.async.bulk.tensor) once its dq_full mbarrier completes, then releases it (dq_empty).
-//   consumers (240 registers): warpgroup w owns keys 64w..64w+63. Per query block of 64 rows:
+//   consumers (240 registers): warpgroup w owns keys 64w..64w+63. Per query block of kBlockM rows (d128 64,
+//   d64 128; 64 with the bias):
 //     S^T = K Q^T, dP^T = V dO^T             wgmma, both operands from smem
 //     P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T - D) scale     in registers, branch-free
 //     dV += P^T dO, dK += dS^T Q             wgmma, P^T / dS^T as register A operands, dO / Q MN-major
 //     dQ = dS K                              wgmma from dS^T stored to smem, stored as an fp32 tile for the
 //                                            producer's reduction (BwdSm90Traits::kSharedDq):
-//       d128: both warpgroups' halves of dS^T form one 128-key tile (a 256-thread named barrier after the
-//             stores; double-buffered), warpgroup w computes dQ columns 64w..64w+63 into one shared tile;
-//       d64:  warpgroup w computes all of dQ over its own 64 keys from its own dS^T tile (a 128-thread
-//             barrier) into its own tile: nothing in the loop waits for the other warpgroup.
-//     dV is issued right after P^T (it runs under the dS^T arithmetic), then dQ and dK; the dQ tile stores
-//     run under dK.
+//       both warpgroups' halves of dS^T form one 128-key tile (a 256-thread named barrier after the stores;
+//       double-buffered) and warpgroup w computes a 64 x 64 piece of one shared dQ tile: columns 64w.. at d128,
+//       rows 64w.. at d64; with the bias at d64 (64 rows) warpgroup w computes all of dQ over its own 64 keys
+//       from its own dS^T tile (a 128-thread barrier) into its own tile.
+//     dV is issued right after P^T (it runs under the dS^T arithmetic; at d64 after one pass that makes P^T and
+//     dS^T together, BwdSm90Traits::kOnePass), then dQ and dK; the dQ tile stores run under dK.
 // Varlen: Q / dO / K / V rows past a sequence are the next sequence's rows (zero past the tensor), all masked
 // (P = 0, dS = 0), so their dQ rows add 0 to the next sequence's (non-finite input there aside); K / V rows past
 // it are not stored. Tiles are 128-byte swizzled panels (sm90/wgmma.cuh). Design: docs/design/backward-sm90.md.
@@ -40,25 +41,26 @@ namespace bwd_sm90 {
 template <bool kIsBf16, int kHeadDim, bool kRelBias>
 struct BwdSm90Traits {
   // 128 keys x kBlockM queries. d128: 64 queries (dK, dV and S^T, dP^T fill the 240 registers). d64: 128 queries,
-  // twice the arithmetic per operand load and per dQ reduction, which fits because P^T and dS^T reach their
-  // wgmmas through shared memory (kPdsSmem); with the bias, 64 (its staging rows do not fit beside 128-row tiles).
+  // twice the arithmetic per operand load and per dQ reduction of 64 (1.17-1.19x), in registers with kOnePass;
+  // with the bias, 64 (its staging rows do not fit in shared memory beside 128-row tiles).
   static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = kHeadDim == 64 && !kRelBias ? 128 : 64;
   static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
   static constexpr int kRelJ = kBlockM / 8;  // a consumer warp's tile: 16 keys x kBlockM queries
   static_assert(kHeadDim == 64 || kHeadDim == 128, "instantiated head dims");
   static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
   static_assert(kBlockN == 2 * 64, "two consumer warpgroups of 64 keys");
-  // dQ (the faster layout per head dim): kSharedDq (d128), the warpgroups' dS^T halves form one tile of
-  // the 128 keys (double-buffered: the other warpgroup's dQ wgmma may still read block it - 1) and warpgroup w
-  // computes dQ columns 64w..64w+63 over all of them into one dQ tile; else (d64) each warpgroup computes all of
-  // dQ over its own 64 keys from its own dS^T tile into its own dQ tile, and nothing in the loop waits for the
-  // other warpgroup. Either way dq is kBlockM x 64 per warpgroup.
+  // dQ: kSharedDq (d128, d64 without the bias), the warpgroups' dS^T halves form one tile of the 128 keys
+  // (double-buffered: the other warpgroup's dQ wgmma may still read block it - 1) and warpgroup w computes a 64 x 64
+  // piece of one dQ tile over all of them (half the reductions of a tile per warpgroup: d64 1.04-1.06x); else (d64
+  // with the bias, 64 rows) each warpgroup computes all of dQ over its own 64 keys from its own dS^T tile into its
+  // own dQ tile, and nothing in the loop waits for the other warpgroup.
   static constexpr bool kSharedDq = kBlockM * kD >= 2 * 64 * 64;
   static_assert(kSharedDq ? kBlockM * kD == 2 * 64 * 64 : kBlockM == 64, "a 64 x 64 piece of dQ per warpgroup");
-  // P^T and dS^T as shared A operands of the dV and dK wgmmas (K-major rows of this warpgroup's tile: P^T first,
-  // dS^T over it once dV has read it), not register fragments: 64 registers a thread fewer, which 128 query rows
-  // need (with fragments ptxas spilled and serialised the wgmmas).
-  static constexpr bool kPdsSmem = kBlockM == 128;
+  // One pointwise pass after both S^T and dP^T: each element's P^T and dS^T packed into fragments as its fp32 values
+  // die, so the peak is S^T + dP^T + dK + dV (192 registers at d64 x 128 rows; P^T fragments live beside all four
+  // made ptxas spill and serialise the wgmmas), and dV waits for the pass. d128 keeps dV under the dS^T pass (one
+  // pass there: 0.99-1.01x).
+  static constexpr bool kOnePass = kBlockM == 128;
   static constexpr int kDStRows = kSharedDq ? kBlockN : 64, kDqTiles = kSharedDq ? 1 : 2;
   static constexpr int kDqThreads = kSharedDq ? 2 * 128 : 128;  // arrivals on a dq_full
   static constexpr int kThreads = 3 * 128, kConsumerThreads = 2 * 128, kStages = 2;
@@ -117,8 +119,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
   // started before it. d128 adds in ascending order (the grid's own, heaviest causal blocks first), each key block
   // walking its query blocks last first: every key block of a causal pair reaches query block m at the same step.
   // d64 adds in descending order with the grid reversed, walking up from the diagonal: each key block reaches m one
-  // step after the one it waits for. d64's two dQ tiles a query block make that chain twice as long for half the
-  // arithmetic, so its slack wins over the heavy-first grid there (docs/design/backward-sm90.md).
+  // step after the one it waits for, which measured 2-5% faster than ascending at causal d64 shapes
+  // (docs/design/backward-sm90.md).
   constexpr bool kAscendingAdds = kD == 128;
   const int n_block = dq_order && !kAscendingAdds ? n_blocks - 1 - cta.block : cta.block;
   const int n0 = n_block * kBlockN;
@@ -161,7 +163,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       for (int it = 0; it < iters; ++it) {
         const int m = q_block(mi);
         int* order = dq_order ? dq_order + (int64_t(b) * p.h + head) * m_blocks + m : nullptr;
-        // Deterministic: wait for the adds of the key blocks before this one in the order (both tiles of each at d64).
+        // Deterministic: wait for the adds of the key blocks before this one in the order (each kDqTiles tiles).
         if (order) {
           const int before = kAscendingAdds ? n_block - bwd::first_key_block<kBlockN, kBlockM>(p, seq, m)
                                             : bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block;
@@ -290,8 +292,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       const int key = key0 + 8 * h;
       last[h] = key >= seq.sk ? INT_MIN : min(seq.sq, w.row_hi(key) + 1) - row0;
     }
-    constexpr int kFrags = Tr::kPdsSmem ? 1 : kBlockM / 16;  // register A fragments (unused with kPdsSmem)
-    uint32_t pa[kFrags][4], dsa[kFrags][4];
+    uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];  // A fragments of dV and dK
     // Element pair (key row dst_row + 16 warp + g + 8 h2, query columns 8 j + 2t, + 1) of the tile at dst: its
     // 16-byte chunk j % 8 of a panel sits at chunk (j % 8) ^ g, and panel_offset(kRows, kr, 2t) carries g in
     // address bits 4..6, so one XOR reaches it (keeps ptxas from holding 8 swizzled offsets per row in registers).
@@ -299,8 +300,46 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       const uint32_t row = dst + sm90::panel_offset(kRows, dst_row + 16 * warp + g + 8 * h2, 2 * t);
       asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kRows * 128), "r"(packed));
     };
-    // This warpgroup's kRows key rows of the tile, K-major: the A operand of dV (P^T) and dK (dS^T) with kPdsSmem.
-    const uint64_t rows_desc = sm90::desc(dst + dst_row * 128, 16);
+    // Per element (j, r) of this thread's tile: P^T from S^T (masked) with the row's LSE in log2 units, dS^T from P^T
+    // and dP^T with the row's D scaled; per column group j: the fragments (pa, dsa) and the dS^T tile stores.
+    auto lse2_of = [&](int j) {
+      float2 l2 = *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t);
+      return make_float2(l2.x * bwd::kLog2e, l2.y * bwd::kLog2e);  // (kernel.cuh scales in shared memory: same products)
+    };
+    auto dsum_of = [&](int j) {
+      float2 dsc = *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t);
+      return make_float2(dsc.x * p.softmax_scale, dsc.y * p.softmax_scale);
+    };
+    auto prob = [&](int j, int r, float lse2) {
+      const int c = 8 * j + r % 2;
+      const float e = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -lse2));
+      return (c - 8 * (r / 2) >= first) & (c < last[r / 2]) ? e : 0.f;
+    };
+    auto grad_logit = [&](int j, int r, float2 dsc) {
+      return s[j][r] * fmaf(dp[j][r], p.softmax_scale, r % 2 ? -dsc.y : -dsc.x);
+    };
+    auto pack_p = [&](int j) {
+      pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
+      pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
+    };
+    auto pack_store_ds = [&](int j, const float (&ds)[4]) {
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        const uint32_t packed = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
+        dsa[j / 2][(j % 2) * 2 + h2] = packed;
+        store_pair(j, h2, packed);
+      }
+    };
+    // dV += P^T dO: k16 steps are 16 query rows (2048 bytes) of the MN-major dO panels.
+    auto issue_dv = [&] {
+      const uint64_t do_desc = sm90::desc(do_s, kBlockM * 128);
+      sm90::fence();
+      sm90::fence_operand(dv);
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk)
+        sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc_add(do_desc, kk * 2048), true);
+      sm90::commit();
+    };
     // The pointwise passes are straight-line code, the bias's a compile-time variant (kRelBias): a branch on it inside
     // the unrolled loops cut them into basic blocks the scheduler could not interleave (1.25x the d64 backward's
     // time; 3% at d128).
@@ -308,51 +347,39 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     if constexpr (kRelBias) rel.begin(p, s_rel, tid / 32, key0 - g, m0, g, t);
     auto pointwise = [&](auto with_bias) {
       constexpr bool kRel = decltype(with_bias)::value;
+      if constexpr (Tr::kOnePass) {
+        static_assert(!kRel, "one pass without the bias");
+        sm90::wait<0>();  // dP^T too
+        sm90::fence_operand(dp);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 l2 = lse2_of(j), dsc = dsum_of(j);
+          float ds[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            s[j][r] = prob(j, r, r % 2 ? l2.y : l2.x);
+            ds[r] = grad_logit(j, r, dsc);
+          }
+          pack_p(j);
+          pack_store_ds(j, ds);
+        }
+        issue_dv();
+        return;
+      }
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
-        float2 l2 = *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t);
-        l2.x *= bwd::kLog2e;  // (kernel.cuh scales in shared memory: same products)
-        l2.y *= bwd::kLog2e;
+        const float2 l2 = lse2_of(j);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-          const int c = 8 * j + r % 2;
           float lse2 = r % 2 ? l2.y : l2.x;
           // The bias joins the logit: subtract it from the LSE instead. Element (j, r) is bin j + 1 - r / 2 of
           // parity r % 2 (RelBiasGrad).
           if constexpr (kRel) lse2 -= bwd::kLog2e * rel.bin_bias(j + 1 - r / 2, r % 2);
-          const float prob = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -lse2));
-          s[j][r] = (c - 8 * (r / 2) >= first) & (c < last[r / 2]) ? prob : 0.f;
+          s[j][r] = prob(j, r, lse2);
         }
-        const uint32_t lo = tile::pack2<kIsBf16>(s[j][0], s[j][1]), hi = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
-        if constexpr (Tr::kPdsSmem) {
-          store_pair(j, 0, lo);
-          store_pair(j, 1, hi);
-        } else {
-          pa[j / 2][(j % 2) * 2] = lo;
-          pa[j / 2][(j % 2) * 2 + 1] = hi;
-        }
+        pack_p(j);
       }
-      if constexpr (Tr::kPdsSmem) {
-        sm90::fence_proxy_async();
-        sm90::named_barrier_sync(4 + wg, 128);  // the warpgroup's P^T rows written
-      }
-      // dV += P^T dO, issued now so that it runs under the dS^T arithmetic: k16 steps are 16 query rows (2048
-      // bytes) of the MN-major dO panels.
-      {
-        const uint64_t do_desc = sm90::desc(do_s, kBlockM * 128);
-        sm90::fence();
-        sm90::fence_operand(dv);
-#pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-          if constexpr (Tr::kPdsSmem) {
-            sm90::mma_ss<kD, kIsBf16, 0, 1>(dv, sm90::k_major_step<kRows>(rows_desc, kk),
-                                            sm90::desc_add(do_desc, kk * 2048), true);
-          } else {
-            sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc_add(do_desc, kk * 2048), true);
-          }
-        }
-        sm90::commit();
-      }
+      issue_dv();  // now, so that it runs under the dS^T arithmetic
 
       // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q, the dS^T tile for dQ and the d rel_bias
       // sums.
@@ -360,36 +387,14 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       sm90::fence_operand(dp);
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
-        float2 dsc = *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t);
-        dsc.x *= p.softmax_scale;
-        dsc.y *= p.softmax_scale;
+        const float2 dsc = dsum_of(j);
         float ds[4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) ds[r] = s[j][r] * fmaf(dp[j][r], p.softmax_scale, r % 2 ? -dsc.y : -dsc.x);
+        for (int r = 0; r < 4; ++r) ds[r] = grad_logit(j, r, dsc);
         if constexpr (kRel) rel.step(j, ds);
-        if constexpr (Tr::kPdsSmem) {  // stored once dV has read P^T from the tile
-#pragma unroll
-          for (int r = 0; r < 4; ++r) dp[j][r] = ds[r];
-        } else {
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const uint32_t packed = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
-            dsa[j / 2][(j % 2) * 2 + h2] = packed;
-            store_pair(j, h2, packed);
-          }
-        }
+        pack_store_ds(j, ds);
       }
       if constexpr (kRel) rel.finish();
-      if constexpr (Tr::kPdsSmem) {
-        // dV done: a warp's wgmma reads only its own 16 rows of the K-major A tile, which only it overwrites.
-        sm90::wait<0>();
-        sm90::fence_operand(dv);
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-          store_pair(j, 0, tile::pack2<kIsBf16>(dp[j][0], dp[j][1]));
-          store_pair(j, 1, tile::pack2<kIsBf16>(dp[j][2], dp[j][3]));
-        }
-      }
     };
     pointwise(std::bool_constant<kRelBias>{});
     sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
@@ -414,14 +419,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     }
     sm90::commit();
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      if constexpr (Tr::kPdsSmem) {
-        sm90::mma_ss<kD, kIsBf16, 0, 1>(dk, sm90::k_major_step<kRows>(rows_desc, kk), sm90::desc_add(q_desc, kk * 2048),
-                                        true);
-      } else {
-        sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc_add(q_desc, kk * 2048), true);
-      }
-    }
+    for (int kk = 0; kk < kBlockM / 16; ++kk) sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc_add(q_desc, kk * 2048), true);
     sm90::commit();
     if constexpr (kRelBias) rel.commit();  // d rel_bias under the dQ and dK wgmmas
     sm90::wait<1>();  // dQ (and dV) done; dK runs under the dQ tile stores
