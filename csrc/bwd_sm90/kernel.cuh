@@ -43,7 +43,7 @@ struct BwdSm90Traits {
   // 128 keys x kBlockM queries. d128: 64 queries (dK, dV and S^T, dP^T fill the 240 registers). d64: 128 queries,
   // twice the arithmetic per operand load and per dQ reduction of 64 (1.17-1.19x), in registers with kOnePass;
   // with the bias, 64 (its staging rows do not fit in shared memory beside 128-row tiles).
-  static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = kHeadDim == 64 && !kRelBias ? 128 : 64;
+  static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = kHeadDim == 64 ? 128 : 64;
   static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
   static constexpr int kRelJ = kBlockM / 8;  // a consumer warp's tile: 16 keys x kBlockM queries
   static_assert(kHeadDim == 64 || kHeadDim == 128, "instantiated head dims");
@@ -62,6 +62,9 @@ struct BwdSm90Traits {
   // pass there: 0.99-1.01x).
   static constexpr bool kOnePass = kBlockM == 128;
   static constexpr int kDStRows = kSharedDq ? kBlockN : 64, kDqTiles = kSharedDq ? 1 : 2;
+  // dS^T tiles: two (a warpgroup writes block it while the other's dQ wgmma may still read block it - 1), one with
+  // the bias at d64, whose staging rows take the second's place (a barrier then waits for both dQ wgmmas instead).
+  static constexpr int kDStBuffers = kRelBias && kBlockM == 128 ? 1 : 2;
   static constexpr int kDqThreads = kSharedDq ? 2 * 128 : 128;  // arrivals on a dq_full
   static constexpr int kThreads = 3 * 128, kConsumerThreads = 2 * 128, kStages = 2;
   // 128 * 24 + 256 * 240 <= 64K registers.
@@ -72,7 +75,7 @@ struct BwdSm90Traits {
   static constexpr int kKVBytes = kBlockN * kD * 2, kQBytes = kBlockM * kD * 2;
   static constexpr int kDStBytes = kDStRows * kBlockM * 2, kDqBytes = kBlockM * kD * 4, kRowBytes = kBlockM * 4;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kQBytes,
-                       kDSt = kDO + kStages * kQBytes, kDq = kDSt + 2 * kDStBytes, kLse = kDq + kDqTiles * kDqBytes,
+                       kDSt = kDO + kStages * kQBytes, kDq = kDSt + kDStBuffers * kDStBytes, kLse = kDq + kDqTiles * kDqBytes,
                        kDsum = kLse + kStages * kRowBytes, kBars = kDsum + kStages * kRowBytes,
                        kSmemBytes = kBars + (5 + 2 * kStages) * 8 + 1024;  // + alignment slack
   static_assert(kDSt % 1024 == 0 && kDStBytes % 1024 == 0 && kDq % 1024 == 0, "swizzled panels");
@@ -255,7 +258,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
   for (int it = 0; it < iters; ++it) {
     const int st = it % kStages, m0 = q_block(mi) * kBlockM;
     const uint32_t q_s = sQ(st), do_s = sDO(st);
-    const uint32_t dst = base + Tr::kDSt + (Tr::kSharedDq ? it % 2 : wg) * Tr::kDStBytes;  // dS^T tile
+    const uint32_t dst = base + Tr::kDSt + (Tr::kSharedDq ? it % Tr::kDStBuffers : wg) * Tr::kDStBytes;  // dS^T tile
     const float* lse_st = s_lse + st * kBlockM;
     const float* dsum_st = s_dsum + st * kBlockM;
     sm90::mbar_wait(full(st), (it / kStages) & 1);
@@ -347,54 +350,59 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     if constexpr (kRelBias) rel.begin(p, s_rel, tid / 32, key0 - g, m0, g, t);
     auto pointwise = [&](auto with_bias) {
       constexpr bool kRel = decltype(with_bias)::value;
+      // The bias joins the logit: subtract it from the LSE instead. Element (j, r) is bin j + 1 - r / 2 of parity
+      // r % 2 (RelBiasGrad).
+      auto lse2_at = [&](int j, int r, float2 l2) {
+        float lse2 = r % 2 ? l2.y : l2.x;
+        if constexpr (kRel) lse2 -= bwd::kLog2e * rel.bin_bias(j + 1 - r / 2, r % 2);
+        return lse2;
+      };
       if constexpr (Tr::kOnePass) {
-        static_assert(!kRel, "one pass without the bias");
         sm90::wait<0>();  // dP^T too
         sm90::fence_operand(dp);
+        if constexpr (Tr::kDStBuffers == 1) {
+          if (it > 0) sm90::named_barrier_sync(2, Tr::kConsumerThreads);  // both dQ wgmmas of it - 1 have read the tile
+        }
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
           const float2 l2 = lse2_of(j), dsc = dsum_of(j);
           float ds[4];
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            s[j][r] = prob(j, r, r % 2 ? l2.y : l2.x);
+            s[j][r] = prob(j, r, lse2_at(j, r, l2));
             ds[r] = grad_logit(j, r, dsc);
           }
+          if constexpr (kRel) rel.step(j, ds);
           pack_p(j);
           pack_store_ds(j, ds);
         }
+        if constexpr (kRel) rel.finish();
         issue_dv();
-        return;
-      }
+      } else {
 #pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        const float2 l2 = lse2_of(j);
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 l2 = lse2_of(j);
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          float lse2 = r % 2 ? l2.y : l2.x;
-          // The bias joins the logit: subtract it from the LSE instead. Element (j, r) is bin j + 1 - r / 2 of
-          // parity r % 2 (RelBiasGrad).
-          if constexpr (kRel) lse2 -= bwd::kLog2e * rel.bin_bias(j + 1 - r / 2, r % 2);
-          s[j][r] = prob(j, r, lse2);
+          for (int r = 0; r < 4; ++r) s[j][r] = prob(j, r, lse2_at(j, r, l2));
+          pack_p(j);
         }
-        pack_p(j);
-      }
-      issue_dv();  // now, so that it runs under the dS^T arithmetic
+        issue_dv();  // now, so that it runs under the dS^T arithmetic
 
-      // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q, the dS^T tile for dQ and the d rel_bias
-      // sums.
-      sm90::wait<1>();  // dP^T (dV may still run)
-      sm90::fence_operand(dp);
+        // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q, the dS^T tile for dQ and the d rel_bias
+        // sums.
+        sm90::wait<1>();  // dP^T (dV may still run)
+        sm90::fence_operand(dp);
 #pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        const float2 dsc = dsum_of(j);
-        float ds[4];
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 dsc = dsum_of(j);
+          float ds[4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) ds[r] = grad_logit(j, r, dsc);
-        if constexpr (kRel) rel.step(j, ds);
-        pack_store_ds(j, ds);
+          for (int r = 0; r < 4; ++r) ds[r] = grad_logit(j, r, dsc);
+          if constexpr (kRel) rel.step(j, ds);
+          pack_store_ds(j, ds);
+        }
+        if constexpr (kRel) rel.finish();
       }
-      if constexpr (kRel) rel.finish();
     };
     pointwise(std::bool_constant<kRelBias>{});
     sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
