@@ -9,20 +9,18 @@
 //             (query head, query block) into a 2-stage ring; its 32 lanes copy that block's LSE and D rows
 //             (0 past the sequence) into the stage with cp.async. A stage's "full" mbarrier completes with the
 //             TMA bytes and the 32 lanes' cp.async arrivals, its "empty" one with the 256 consumer threads'
-//             arrivals once their last wgmma on it has retired. Warp 1 (+ w with the bias at d64), one lane:
-//             adds the dQ tile (of consumer warpgroup w) to the fp32 accumulator with kD / 32 TMA reductions
+//             arrivals once their last wgmma on it has retired. Warp 1, one lane: adds the dQ tile to the fp32
+//             accumulator with kD / 32 TMA reductions
 //             (cp.reduce.async.bulk.tensor) once its dq_full mbarrier completes, then releases it (dq_empty).
 //   consumers (240 registers): warpgroup w owns keys 64w..64w+63. Per query block of kBlockM rows (d128 64,
-//   d64 128; 64 with the bias):
+//   d64 128):
 //     S^T = K Q^T, dP^T = V dO^T             wgmma, both operands from smem
 //     P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T - D) scale     in registers, branch-free
 //     dV += P^T dO, dK += dS^T Q             wgmma, P^T / dS^T as register A operands, dO / Q MN-major
 //     dQ = dS K                              wgmma from dS^T stored to smem, stored as an fp32 tile for the
-//                                            producer's reduction (BwdSm90Traits::kSharedDq):
-//       both warpgroups' halves of dS^T form one 128-key tile (a 256-thread named barrier after the stores;
-//       double-buffered) and warpgroup w computes a 64 x 64 piece of one shared dQ tile: columns 64w.. at d128,
-//       rows 64w.. at d64; with the bias at d64 (64 rows) warpgroup w computes all of dQ over its own 64 keys
-//       from its own dS^T tile (a 128-thread barrier) into its own tile.
+//                                            producer's reduction: both warpgroups' halves of dS^T form one
+//       128-key tile (a 256-thread named barrier after the stores) and warpgroup w computes a 64 x 64 piece of
+//       one dQ tile from it: columns 64w.. at d128, rows 64w.. at d64.
 //     dV is issued right after P^T (it runs under the dS^T arithmetic; at d64 after one pass that makes P^T and
 //     dS^T together, BwdSm90Traits::kOnePass), then dQ and dK; the dQ tile stores run under dK.
 // Varlen: Q / dO / K / V rows past a sequence are the next sequence's rows (zero past the tensor), all masked
@@ -41,43 +39,37 @@ namespace bwd_sm90 {
 template <bool kIsBf16, int kHeadDim, bool kRelBias>
 struct BwdSm90Traits {
   // 128 keys x kBlockM queries. d128: 64 queries (dK, dV and S^T, dP^T fill the 240 registers). d64: 128 queries,
-  // twice the arithmetic per operand load and per dQ reduction of 64 (1.17-1.19x), in registers with kOnePass;
-  // with the bias, 64 (its staging rows do not fit in shared memory beside 128-row tiles).
+  // twice the arithmetic per operand load and per dQ reduction of 64 (1.17-1.19x), in registers with kOnePass.
   static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = kHeadDim == 64 ? 128 : 64;
   static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
   static constexpr int kRelJ = kBlockM / 8;  // a consumer warp's tile: 16 keys x kBlockM queries
   static_assert(kHeadDim == 64 || kHeadDim == 128, "instantiated head dims");
   static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
   static_assert(kBlockN == 2 * 64, "two consumer warpgroups of 64 keys");
-  // dQ: kSharedDq (d128, d64 without the bias), the warpgroups' dS^T halves form one tile of the 128 keys
-  // (double-buffered: the other warpgroup's dQ wgmma may still read block it - 1) and warpgroup w computes a 64 x 64
-  // piece of one dQ tile over all of them (half the reductions of a tile per warpgroup: d64 1.04-1.06x); else (d64
-  // with the bias, 64 rows) each warpgroup computes all of dQ over its own 64 keys from its own dS^T tile into its
-  // own dQ tile, and nothing in the loop waits for the other warpgroup.
-  static constexpr bool kSharedDq = kBlockM * kD >= 2 * 64 * 64;
-  static_assert(kSharedDq ? kBlockM * kD == 2 * 64 * 64 : kBlockM == 64, "a 64 x 64 piece of dQ per warpgroup");
+  // dQ: the warpgroups' dS^T halves form one tile of the 128 keys, and warpgroup w computes a 64 x 64 piece of one
+  // dQ tile over all of them (d64: one tile a query block, not one per warpgroup over its own keys, halves the
+  // reductions: 1.04-1.06x).
+  static_assert(kBlockM * kD == 2 * 64 * 64, "a 64 x 64 piece of dQ per warpgroup");
   // One pointwise pass after both S^T and dP^T: each element's P^T and dS^T packed into fragments as its fp32 values
   // die, so the peak is S^T + dP^T + dK + dV (192 registers at d64 x 128 rows; P^T fragments live beside all four
   // made ptxas spill and serialise the wgmmas), and dV waits for the pass. d128 keeps dV under the dS^T pass (one
   // pass there: 0.99-1.01x).
   static constexpr bool kOnePass = kBlockM == 128;
-  static constexpr int kDStRows = kSharedDq ? kBlockN : 64, kDqTiles = kSharedDq ? 1 : 2;
   // dS^T tiles: two (a warpgroup writes block it while the other's dQ wgmma may still read block it - 1), one with
   // the bias at d64, whose staging rows take the second's place (a barrier then waits for both dQ wgmmas instead).
   static constexpr int kDStBuffers = kRelBias && kBlockM == 128 ? 1 : 2;
-  static constexpr int kDqThreads = kSharedDq ? 2 * 128 : 128;  // arrivals on a dq_full
   static constexpr int kThreads = 3 * 128, kConsumerThreads = 2 * 128, kStages = 2;
   // 128 * 24 + 256 * 240 <= 64K registers.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, 2 dS^T tiles (kDStRows keys x kBlockM), the
-  // dQ tiles (kD / 32 panels of kBlockM rows x 32 fp32: the dq_acc map's boxes), the LSE and D rings, then the
-  // mbarriers kv_full, full[kStages], empty[kStages], dq_full[2], dq_empty[2] (kDqTiles of each used).
+  // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, kDStBuffers dS^T tiles (kBlockN keys x
+  // kBlockM), the dQ tile (kD / 32 panels of kBlockM rows x 32 fp32: the dq_acc map's boxes), the LSE and D rings,
+  // then the mbarriers kv_full, full[kStages], empty[kStages], dq_full, dq_empty.
   static constexpr int kKVBytes = kBlockN * kD * 2, kQBytes = kBlockM * kD * 2;
-  static constexpr int kDStBytes = kDStRows * kBlockM * 2, kDqBytes = kBlockM * kD * 4, kRowBytes = kBlockM * 4;
+  static constexpr int kDStBytes = kBlockN * kBlockM * 2, kDqBytes = kBlockM * kD * 4, kRowBytes = kBlockM * 4;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kQBytes,
-                       kDSt = kDO + kStages * kQBytes, kDq = kDSt + kDStBuffers * kDStBytes, kLse = kDq + kDqTiles * kDqBytes,
+                       kDSt = kDO + kStages * kQBytes, kDq = kDSt + kDStBuffers * kDStBytes, kLse = kDq + kDqBytes,
                        kDsum = kLse + kStages * kRowBytes, kBars = kDsum + kStages * kRowBytes,
-                       kSmemBytes = kBars + (5 + 2 * kStages) * 8 + 1024;  // + alignment slack
+                       kSmemBytes = kBars + (3 + 2 * kStages) * 8 + 1024;  // + alignment slack
   static_assert(kDSt % 1024 == 0 && kDStBytes % 1024 == 0 && kDq % 1024 == 0, "swizzled panels");
   static_assert(kSmemBytes <= bwd::kSm90SmemOptin && (!kRelBias || bwd::rel_bias_fits_sm90(kSmemBytes, kRelJ)),
                 "shared memory per block, d rel_bias included");
@@ -108,9 +100,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
   auto sDO = [&](int st) { return base + Tr::kDO + st * kQBytes; };
   auto full = [&](int st) { return kv_full + 8 * (1 + st); };
   auto empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
-  auto dq_full = [&](int w) { return kv_full + 8 * (1 + 2 * kStages + w); };
-  auto dq_empty = [&](int w) { return kv_full + 8 * (3 + 2 * kStages + w); };
-  auto sDq = [&](int w) { return base + Tr::kDq + w * Tr::kDqBytes; };
+  const uint32_t dq_full = kv_full + 8 * (1 + 2 * kStages), dq_empty = dq_full + 8, sDq = base + Tr::kDq;
 
   // Pairs (kv head, batch), blocks = key blocks: block 0 sees the most query blocks (sm90/schedule.cuh).
   const int n_blocks = gridDim.x / (p.h_k * p.b);
@@ -144,20 +134,17 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       sm90::mbar_init(full(st), 32);
       sm90::mbar_init(empty(st), Tr::kConsumerThreads);
     }
-    for (int w = 0; w < Tr::kDqTiles; ++w) {
-      sm90::mbar_init(dq_full(w), Tr::kDqThreads);
-      sm90::mbar_init(dq_empty(w), 1);
-    }
+    sm90::mbar_init(dq_full, Tr::kConsumerThreads);
+    sm90::mbar_init(dq_empty, 1);
     sm90::mbar_init_fence();
   }
   __syncthreads();
 
-  // ---- producer: warp 0 loads, one lane of warp 1 + w adds consumer warpgroup w's dQ tiles ----------------
+  // ---- producer: warp 0 loads, one lane of warp 1 adds the dQ tiles ----------------------------------------
   if (threadIdx.x < 128) {
     sm90::regs_dealloc<Tr::kProducerRegs>();
     const int tma_b = p.cu_seqlens_q ? 0 : b;
-    if (threadIdx.x == 32 || (threadIdx.x == 64 && Tr::kDqTiles == 2)) {
-      const int w = threadIdx.x / 32 - 1;
+    if (threadIdx.x == 32) {
       // Rows past a dense batch's seqlen_q fall outside the map (dropped); varlen rows past a sequence add 0.
       const int row0 = p.cu_seqlens_q ? seq.ws0 : 0;
       int head = hk * groups, mi = 0;
@@ -166,20 +153,20 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       for (int it = 0; it < iters; ++it) {
         const int m = q_block(mi);
         int* order = dq_order ? dq_order + (int64_t(b) * p.h + head) * m_blocks + m : nullptr;
-        // Deterministic: wait for the adds of the key blocks before this one in the order (each kDqTiles tiles).
+        // Deterministic: wait for the adds of the key blocks before this one in the order.
         if (order) {
           const int before = kAscendingAdds ? n_block - bwd::first_key_block<kBlockN, kBlockM>(p, seq, m)
                                             : bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block;
-          sm90::counter_wait_eq(order, Tr::kDqTiles * before + w);
+          sm90::counter_wait_eq(order, before);
         }
-        sm90::mbar_wait(dq_full(w), it & 1);
+        sm90::mbar_wait(dq_full, it & 1);
         for (int panel = 0; panel < kD / 32; ++panel) {
-          sm90::tma_reduce_add_4d(&maps.dq_acc, sDq(w) + panel * kBlockM * 128, panel * 32, head,
+          sm90::tma_reduce_add_4d(&maps.dq_acc, sDq + panel * kBlockM * 128, panel * 32, head,
                                   row0 + m * kBlockM, tma_b);
         }
         sm90::bulk_commit();
         sm90::bulk_wait_read<0>();  // the tile may be overwritten: the consumers go on
-        sm90::mbar_arrive(dq_empty(w));
+        sm90::mbar_arrive(dq_empty);
         if (order) {
           sm90::bulk_wait<0>();  // the additions are done: the next key block may add
           sm90::counter_release_inc(order);
@@ -236,29 +223,26 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
   const KeyWindow w(p, seq.sq, seq.sk);
   float dv[kD / 8][4] = {}, dk[kD / 8][4] = {};  // this warpgroup's 64 keys (GQA: summed over the group)
   const int key0 = n0 + 64 * wg + 16 * warp + g;  // this thread's keys: key0, key0 + 8
-  // dQ: this warpgroup's dS^T rows (kSharedDq: the keys of both warpgroups), its dQ columns (col0..col0 + 63),
-  // the rows of K it multiplies, its dQ tile and that tile's mbarriers (kSharedDq: shared by both warpgroups).
-  constexpr int kRows = Tr::kDStRows;
-  // kSharedDq: warpgroup w computes the 64 x 64 piece (row0_dq, col0) of the kBlockM x kD dQ tile, split by columns
-  // at d128 (64 rows) and by rows at d64 (128 rows).
-  constexpr bool kSplitRows = Tr::kSharedDq && kD == 64;
-  const int dst_row = Tr::kSharedDq ? 64 * wg : 0, tile_w = Tr::kSharedDq ? 0 : wg;
-  const int col0 = Tr::kSharedDq && !kSplitRows ? 64 * wg : 0, row0_dq = kSplitRows ? 64 * wg : 0;
-  const uint32_t k_dq = sK + (Tr::kSharedDq ? 0 : 64 * wg * 128) + (col0 / 64) * kBlockN * 128;
+  // dQ: this warpgroup's rows of the dS^T tile (dst_row..: its keys) and its 64 x 64 piece (row0_dq, col0) of the
+  // kBlockM x kD dQ tile, split by columns at d128 (64 rows) and by rows at d64 (128 rows); the panel of K it
+  // multiplies.
+  constexpr int kRows = kBlockN;
+  const int dst_row = 64 * wg, col0 = kD == 128 ? 64 * wg : 0, row0_dq = kD == 64 ? 64 * wg : 0;
+  const uint32_t k_dq = sK + (col0 / 64) * kBlockN * 128;
   // dQ tile stores: row r = row0_dq + 16 warp + g + 8 h2 (r % 8 = g), columns c = col0 + 8 j + 2 t, + 1 in panel
   // c / 32, 16-byte chunk (c % 32) / 4 = 2 (j % 4) + t / 2 stored at chunk ^ g: one XOR by (j % 4) << 5 per j.
   // A half-warp serves a 64-bit store: rows g and g ^ 1 would put column groups j on the same banks, so odd rows
   // store group j ^ 2 where even rows store j (bank-conflict-free; ncu counted 2-way conflicts otherwise).
   const bool dq_swap = g & 1;
   const uint32_t dq_x =
-      (sDq(tile_w) + (row0_dq + 16 * warp + g) * 128 + (((t / 2) ^ g) << 4) + (t % 2) * 8) ^ (dq_swap << 6);
+      (sDq + (row0_dq + 16 * warp + g) * 128 + (((t / 2) ^ g) << 4) + (t % 2) * 8) ^ (dq_swap << 6);
   int head = hk * groups, mi = 0;  // of iteration it
   sm90::mbar_wait(kv_full, 0);     // also: no TMA lands after the CTA (iters == 0)
 
   for (int it = 0; it < iters; ++it) {
     const int st = it % kStages, m0 = q_block(mi) * kBlockM;
     const uint32_t q_s = sQ(st), do_s = sDO(st);
-    const uint32_t dst = base + Tr::kDSt + (Tr::kSharedDq ? it % Tr::kDStBuffers : wg) * Tr::kDStBytes;  // dS^T tile
+    const uint32_t dst = base + Tr::kDSt + it % Tr::kDStBuffers * Tr::kDStBytes;  // dS^T tile
     const float* lse_st = s_lse + st * kBlockM;
     const float* dsum_st = s_dsum + st * kBlockM;
     sm90::mbar_wait(full(st), (it / kStages) & 1);
@@ -406,11 +390,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     };
     pointwise(std::bool_constant<kRelBias>{});
     sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
-    if constexpr (Tr::kSharedDq) {
-      sm90::named_barrier_sync(1, Tr::kConsumerThreads);  // both halves of dS^T written
-    } else {
-      sm90::named_barrier_sync(1 + wg, 128);  // this warpgroup's 4 warps have written its dS^T tile
-    }
+    sm90::named_barrier_sync(1, Tr::kConsumerThreads);  // both halves of dS^T written
 
     // dQ piece (64 x 64) = dS K over kRows keys: the dS^T panel of its 64 queries (MN-major A), K rows (MN-major B);
     // then dK += dS^T Q.
@@ -432,7 +412,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     if constexpr (kRelBias) rel.commit();  // d rel_bias under the dQ and dK wgmmas
     sm90::wait<1>();  // dQ (and dV) done; dK runs under the dQ tile stores
     sm90::fence_operand(dq);
-    if (it > 0) sm90::mbar_wait(dq_empty(tile_w), (it - 1) & 1);  // the reducer has read the previous tile
+    if (it > 0) sm90::mbar_wait(dq_empty, (it - 1) & 1);  // the reducer has read the previous tile
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
 #pragma unroll
@@ -444,7 +424,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       }
     }
     sm90::fence_proxy_async();  // the stores, visible to the TMA reductions
-    sm90::mbar_arrive(dq_full(tile_w));
+    sm90::mbar_arrive(dq_full);
     sm90::wait<0>();
     sm90::fence_operand(dv);
     sm90::fence_operand(dk);
