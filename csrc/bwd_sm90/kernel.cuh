@@ -63,13 +63,14 @@ struct BwdSm90Traits {
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, kDStBuffers dS^T tiles (kBlockN keys x
   // kBlockM), the dQ tile (kD / 32 panels of kBlockM rows x 32 fp32: the dq_acc map's boxes), the LSE and D rings,
-  // then the mbarriers kv_full, full[kStages], empty[kStages], dq_full, dq_empty.
+  // then the mbarriers kv_full, full[kStages], empty[kStages], dq_full, dq_empty, and the bias's floats.
   static constexpr int kKVBytes = kBlockN * kD * 2, kQBytes = kBlockM * kD * 2;
   static constexpr int kDStBytes = kBlockN * kBlockM * 2, kDqBytes = kBlockM * kD * 4, kRowBytes = kBlockM * 4;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kQBytes,
                        kDSt = kDO + kStages * kQBytes, kDq = kDSt + kDStBuffers * kDStBytes, kLse = kDq + kDqBytes,
                        kDsum = kLse + kStages * kRowBytes, kBars = kDsum + kStages * kRowBytes,
-                       kSmemBytes = kBars + (3 + 2 * kStages) * 8 + 1024;  // + alignment slack
+                       kRel = kBars + (3 + 2 * kStages) * 8,  // T5's bias: sums and staging rows (launch.cuh adds them)
+                       kSmemBytes = kRel + 1024;              // + alignment slack
   static_assert(kDSt % 1024 == 0 && kDStBytes % 1024 == 0 && kDq % 1024 == 0, "swizzled panels");
   static_assert(kSmemBytes <= bwd::kSm90SmemOptin && (!kRelBias || bwd::rel_bias_fits_sm90(kSmemBytes, kRelJ)),
                 "shared memory per block, d rel_bias included");
@@ -125,7 +126,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
   const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
   // below).
-  float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kBars + (5 + 2 * kStages) * 8);
+  float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kRel);
   if constexpr (kRelBias) bwd::RelBiasGrad<Tr::kRelJ>::zero(p, s_rel, threadIdx.x, Tr::kThreads);
 
   if (threadIdx.x == 0) {
