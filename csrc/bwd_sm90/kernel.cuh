@@ -61,6 +61,9 @@ struct BwdSm90Traits {
   static constexpr int kThreads = 3 * 128, kConsumerThreads = 2 * 128, kStages = 2;
   // 128 * 24 + 256 * 240 <= 64K registers.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // Named barriers of the two consumer warpgroups (0 is __syncthreads): the dS^T halves written, the single dS^T
+  // buffer free again (the bias at d64), a query head's d rel_bias sums complete / zeroed.
+  enum NamedBarrier { kDStWritten = 1, kDStFree = 2, kRelFlush = 3 };
   // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, kDStBuffers dS^T tiles (kBlockN keys x
   // kBlockM), the dQ tile (kD / 32 panels of kBlockM rows x 32 fp32: the dq_acc map's boxes), the LSE and D rings,
   // then the mbarriers kv_full, full[kStages], empty[kStages], dq_full, dq_empty, and the bias's floats.
@@ -292,7 +295,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     // and dP^T with the row's D scaled; per column group j: the fragments (pa, dsa) and the dS^T tile stores.
     auto lse2_of = [&](int j) {
       float2 l2 = *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t);
-      return make_float2(l2.x * bwd::kLog2e, l2.y * bwd::kLog2e);  // (kernel.cuh scales in shared memory: same products)
+      // (kernel.cuh scales in shared memory: same products)
+      return make_float2(l2.x * bwd::kLog2e, l2.y * bwd::kLog2e);
     };
     auto dsum_of = [&](int j) {
       float2 dsc = *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t);
@@ -345,8 +349,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       if constexpr (Tr::kOnePass) {
         sm90::wait<0>();  // dP^T too
         sm90::fence_operand(dp);
-        if constexpr (Tr::kDStBuffers == 1) {
-          if (it > 0) sm90::named_barrier_sync(2, Tr::kConsumerThreads);  // both dQ wgmmas of it - 1 have read the tile
+        if constexpr (Tr::kDStBuffers == 1) {  // both dQ wgmmas of it - 1 have read the tile
+          if (it > 0) sm90::named_barrier_sync(Tr::kDStFree, Tr::kConsumerThreads);
         }
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
@@ -391,7 +395,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     };
     pointwise(std::bool_constant<kRelBias>{});
     sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
-    sm90::named_barrier_sync(1, Tr::kConsumerThreads);  // both halves of dS^T written
+    sm90::named_barrier_sync(Tr::kDStWritten, Tr::kConsumerThreads);  // both halves of dS^T written
 
     // dQ piece (64 x 64) = dS K over kRows keys: the dS^T panel of its 64 queries (MN-major A), K rows (MN-major B);
     // then dK += dS^T Q.
@@ -408,7 +412,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     }
     sm90::commit();
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc_add(q_desc, kk * 2048), true);
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc_add(q_desc, kk * 2048), true);
     sm90::commit();
     if constexpr (kRelBias) rel.commit();  // d rel_bias under the dQ and dK wgmmas
     sm90::wait<1>();  // dQ (and dV) done; dK runs under the dQ tile stores
@@ -431,9 +436,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     sm90::fence_operand(dk);
     sm90::mbar_arrive(empty(st));  // this thread's wgmmas on stage st and its LSE / D reads are done
     if (kRelBias && mi + 1 == kb.m_count) {  // this head's d rel_bias sums: both warpgroups' adds are done
-      sm90::named_barrier_sync(3, Tr::kConsumerThreads);
+      sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);
       rel.flush(p, head, tid, Tr::kConsumerThreads);
-      sm90::named_barrier_sync(3, Tr::kConsumerThreads);  // zeroed before the next head's adds
+      sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);  // zeroed before the next head's adds
     }
     mi = mi + 1 < kb.m_count ? mi + 1 : 0;
     head += mi == 0;
