@@ -122,13 +122,13 @@ __device__ __forceinline__ Philox4 philox(uint64_t seed, uint32_t c0, uint32_t c
   }
   return {c0, c1, c2, c3};
 }
-// The dropout rule (hf_flash/reference.py dropout_keep states the same; FwdParams the seed and offset): element
-// (i, j) of (batch, head) draws 16 bits, half (j >> 3) & 1 of word (i >> 3) & 3 of the Philox block at counter
-// ((j >> 4) * 8 + (j & 7), (i >> 5) * 8 + (i & 7), batch * h + head, offset) (dropout_block), and is dropped iff
-// they are < dropout_threshold. One
-// block covers rows a, a + 8, a + 16, a + 24 (a = i & 7, a 32-row group) x keys b, b + 8 (b = j & 7, a 16-key
-// group): the eight elements one thread holds of the forward's S fragments (its rows g + {0, 8} of two m16 tiles x
-// columns 2t + e of two n8 tiles) and of the backward's Sᵀ fragments (keys g + {0, 8} x rows 2t + e of four n8 tiles).
+// The dropout rule (hf_flash/reference.py dropout_keep states the same; FwdParams the seed and offset):
+// element (i, j) of (batch, head) draws 16 bits, half (j >> 3) & 1 of word (i >> 3) & 3 of the Philox block at
+// counter ((j >> 4) * 8 + (j & 7), (i >> 5) * 8 + (i & 7), batch * h + head, offset) (dropout_block), and is
+// dropped iff they are < dropout_threshold. One block covers rows a, a + 8, a + 16, a + 24 (a = i & 7, a 32-row
+// group) x keys b, b + 8 (b = j & 7, a 16-key group): the eight elements one thread holds of the forward's S
+// fragments (its rows g + {0, 8} of two m16 tiles x columns 2t + e of two n8 tiles) and of the backward's Sᵀ
+// fragments (keys g + {0, 8} x rows 2t + e of four n8 tiles).
 // The 16 bits of word w, upper or lower half (the kernels pass compile-time indices where their fragment layout
 // fixes row % 32 / 8 and key % 16 / 8), and of element (row, key) of the block drawn for it.
 __device__ __forceinline__ uint32_t dropout_bits_at(const Philox4& r, int w, int upper) {

@@ -48,10 +48,13 @@ def case(b, s, h, hk, d, causal):
     out, lse = torch.ops.hf_flash.fwd(q, k, v, None, None, s, s, *opts, False)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk)
-    fns = {"hf_flash": lambda: torch.ops.hf_flash.bwd(dout, q, k, v, out, lse, None, None, s, s, *opts, False),
-           "cudnn": lambda: o.backward(dout.transpose(1, 2), retain_graph=True)}
+
+    def bwd(det):
+        return lambda: torch.ops.hf_flash.bwd(dout, q, k, v, out, lse, None, None, s, s, *opts, det)
+
+    fns = {"hf_flash": bwd(False), "cudnn": lambda: o.backward(dout.transpose(1, 2), retain_graph=True)}
     if os.environ.get("AB_DET") == "1":
-        fns["det"] = lambda: torch.ops.hf_flash.bwd(dout, q, k, v, out, lse, None, None, s, s, *opts, True)
+        fns["det"] = bwd(True)
     return fns, [q, k, v]
 
 

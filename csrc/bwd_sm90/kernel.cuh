@@ -230,7 +230,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
   // dQ: this warpgroup's rows of the dS^T tile (dst_row..: its keys) and its 64 x 64 piece (row0_dq, col0) of the
   // kBlockM x kD dQ tile, split by columns at d128 (64 rows) and by rows at d64 (128 rows); the panel of K it
   // multiplies.
-  constexpr int kRows = kBlockN;
   const int dst_row = 64 * wg, col0 = kD == 128 ? 64 * wg : 0, row0_dq = kD == 64 ? 64 * wg : 0;
   const uint32_t k_dq = sK + (col0 / 64) * kBlockN * 128;
   // dQ tile stores: row r = row0_dq + 16 warp + g + 8 h2 (r % 8 = g), columns c = col0 + 8 j + 2 t, + 1 in panel
@@ -263,7 +262,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       sm90::commit();
     };
     // Accumulators declared per block, not zeroed: the first k step overwrites them, and nothing keeps them live
-    // into the dQ phase (whose 64 registers per thread take their place).
+    // into the dQ phase (whose 32 registers per thread take their place).
     float s[kBlockM / 8][4], dp[kBlockM / 8][4];
     sm90::fence();
     gemm_keys(sK, q_s, s);
@@ -284,13 +283,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       last[h] = key >= seq.sk ? INT_MIN : min(seq.sq, w.row_hi(key) + 1) - row0;
     }
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];  // A fragments of dV and dK
-    // Element pair (key row dst_row + 16 warp + g + 8 h2, query columns 8 j + 2t, + 1) of the tile at dst: its
-    // 16-byte chunk j % 8 of a panel sits at chunk (j % 8) ^ g, and panel_offset(kRows, kr, 2t) carries g in
-    // address bits 4..6, so one XOR reaches it (keeps ptxas from holding 8 swizzled offsets per row in registers).
-    auto store_pair = [&](int j, int h2, uint32_t packed) {
-      const uint32_t row = dst + sm90::panel_offset(kRows, dst_row + 16 * warp + g + 8 * h2, 2 * t);
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kRows * 128), "r"(packed));
-    };
     // Per element (j, r) of this thread's tile: P^T from S^T (masked) with the row's LSE in log2 units, dS^T from P^T
     // and dP^T with the row's D scaled; per column group j: the fragments (pa, dsa) and the dS^T tile stores.
     auto lse2_of = [&](int j) {
@@ -314,12 +306,17 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
       pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
     };
+    // The dS^T tile: element pair (key row dst_row + 16 warp + g + 8 h2, query columns 8 j + 2t, + 1); its 16-byte
+    // chunk j % 8 of a panel sits at chunk (j % 8) ^ g, and panel_offset(kBlockN, kr, 2t) carries g in address bits
+    // 4..6, so one XOR reaches it (keeps ptxas from holding 8 swizzled offsets per row in registers).
     auto pack_store_ds = [&](int j, const float (&ds)[4]) {
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
         const uint32_t packed = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
         dsa[j / 2][(j % 2) * 2 + h2] = packed;
-        store_pair(j, h2, packed);
+        const uint32_t row = dst + sm90::panel_offset(kBlockN, dst_row + 16 * warp + g + 8 * h2, 2 * t);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kBlockN * 128),
+                     "r"(packed));
       }
     };
     // dV += P^T dO: k16 steps are 16 query rows (2048 bytes) of the MN-major dO panels.
@@ -337,76 +334,72 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     // time; 3% at d128).
     bwd::RelBiasGrad<Tr::kRelJ> rel(s_rel, p, head, seq, 1.f / p.softmax_scale);  // this warp's 16 keys
     if constexpr (kRelBias) rel.begin(p, s_rel, tid / 32, key0 - g, m0, g, t);
-    auto pointwise = [&](auto with_bias) {
-      constexpr bool kRel = decltype(with_bias)::value;
-      // The bias joins the logit: subtract it from the LSE instead. Element (j, r) is bin j + 1 - r / 2 of parity
-      // r % 2 (RelBiasGrad).
-      auto lse2_at = [&](int j, int r, float2 l2) {
-        float lse2 = r % 2 ? l2.y : l2.x;
-        if constexpr (kRel) lse2 -= bwd::kLog2e * rel.bin_bias(j + 1 - r / 2, r % 2);
-        return lse2;
-      };
-      if constexpr (Tr::kOnePass) {
-        sm90::wait<0>();  // dP^T too
-        sm90::fence_operand(dp);
-        if constexpr (Tr::kDStBuffers == 1) {  // both dQ wgmmas of it - 1 have read the tile
-          if (it > 0) sm90::named_barrier_sync(Tr::kDStFree, Tr::kConsumerThreads);
-        }
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-          const float2 l2 = lse2_of(j), dsc = dsum_of(j);
-          float ds[4];
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            s[j][r] = prob(j, r, lse2_at(j, r, l2));
-            ds[r] = grad_logit(j, r, dsc);
-          }
-          if constexpr (kRel) rel.step(j, ds);
-          pack_p(j);
-          pack_store_ds(j, ds);
-        }
-        if constexpr (kRel) rel.finish();
-        issue_dv();
-      } else {
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-          const float2 l2 = lse2_of(j);
-#pragma unroll
-          for (int r = 0; r < 4; ++r) s[j][r] = prob(j, r, lse2_at(j, r, l2));
-          pack_p(j);
-        }
-        issue_dv();  // now, so that it runs under the dS^T arithmetic
-
-        // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q, the dS^T tile for dQ and the d rel_bias
-        // sums.
-        sm90::wait<1>();  // dP^T (dV may still run)
-        sm90::fence_operand(dp);
-#pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j) {
-          const float2 dsc = dsum_of(j);
-          float ds[4];
-#pragma unroll
-          for (int r = 0; r < 4; ++r) ds[r] = grad_logit(j, r, dsc);
-          if constexpr (kRel) rel.step(j, ds);
-          pack_store_ds(j, ds);
-        }
-        if constexpr (kRel) rel.finish();
-      }
+    // The bias joins the logit: subtract it from the LSE instead. Element (j, r) is bin j + 1 - r / 2 of parity
+    // r % 2 (RelBiasGrad).
+    auto lse2_at = [&](int j, int r, float2 l2) {
+      float lse2 = r % 2 ? l2.y : l2.x;
+      if constexpr (kRelBias) lse2 -= bwd::kLog2e * rel.bin_bias(j + 1 - r / 2, r % 2);
+      return lse2;
     };
-    pointwise(std::bool_constant<kRelBias>{});
+    if constexpr (Tr::kOnePass) {
+      sm90::wait<0>();  // dP^T too
+      sm90::fence_operand(dp);
+      if constexpr (Tr::kDStBuffers == 1) {  // both dQ wgmmas of it - 1 have read the tile
+        if (it > 0) sm90::named_barrier_sync(Tr::kDStFree, Tr::kConsumerThreads);
+      }
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 l2 = lse2_of(j), dsc = dsum_of(j);
+        float ds[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          s[j][r] = prob(j, r, lse2_at(j, r, l2));
+          ds[r] = grad_logit(j, r, dsc);
+        }
+        if constexpr (kRelBias) rel.step(j, ds);
+        pack_p(j);
+        pack_store_ds(j, ds);
+      }
+      if constexpr (kRelBias) rel.finish();
+      issue_dv();
+    } else {
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 l2 = lse2_of(j);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s[j][r] = prob(j, r, lse2_at(j, r, l2));
+        pack_p(j);
+      }
+      issue_dv();  // now, so that it runs under the dS^T arithmetic
+
+      // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q, the dS^T tile for dQ and the d rel_bias
+      // sums.
+      sm90::wait<1>();  // dP^T (dV may still run)
+      sm90::fence_operand(dp);
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const float2 dsc = dsum_of(j);
+        float ds[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) ds[r] = grad_logit(j, r, dsc);
+        if constexpr (kRelBias) rel.step(j, ds);
+        pack_store_ds(j, ds);
+      }
+      if constexpr (kRelBias) rel.finish();
+    }
     sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
     sm90::named_barrier_sync(Tr::kDStWritten, Tr::kConsumerThreads);  // both halves of dS^T written
 
-    // dQ piece (64 x 64) = dS K over kRows keys: the dS^T panel of its 64 queries (MN-major A), K rows (MN-major B);
+    // dQ piece (64 x 64) = dS K over kBlockN keys: the dS^T panel of its 64 queries (MN-major A), K rows (MN-major B);
     // then dK += dS^T Q.
     float dq[8][4];
     const uint64_t k_desc = sm90::desc(k_dq, kBlockN * 128), q_desc = sm90::desc(q_s, kBlockM * 128);
     sm90::fence();  // dsa written since the last wgmma
     sm90::fence_operand(dk);
     {
-      const uint64_t ds_desc = sm90::desc(dst + (row0_dq / 64) * kRows * 128, kRows * 128);
+      const uint64_t ds_desc = sm90::desc(dst + (row0_dq / 64) * kBlockN * 128, kBlockN * 128);
 #pragma unroll
-      for (int kk = 0; kk < kRows / 16; ++kk)
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
         sm90::mma_ss<64, kIsBf16, 1, 1>(dq, sm90::desc_add(ds_desc, kk * 2048), sm90::desc_add(k_desc, kk * 2048),
                                         kk > 0);
     }
