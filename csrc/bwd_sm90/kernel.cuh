@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     int head = hk * groups, mi = 0;
 #pragma unroll 1
     for (int it = 0; it < iters; ++it) {
-      const int st = it % kStages, m0 = q_block(mi) * kBlockM;
+      const int st = int(unsigned(it) % kStages), m0 = q_block(mi) * kBlockM;  // it >= 0: no sign fix-up
       if (it >= kStages) sm90::mbar_wait(empty(st), (it / kStages - 1) & 1);
       if (lane == 0) {
         sm90::mbar_expect_tx(full(st), 2 * kQBytes);
@@ -223,7 +223,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
 
   // ---- consumers -------------------------------------------------------------------------------
   sm90::regs_alloc<Tr::kConsumerRegs>();
-  const int tid = threadIdx.x - 128, wg = tid / 128, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int tid = threadIdx.x - 128, wg = sm90::warpgroup_index() - 1, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
   const KeyWindow w(p, seq.sq, seq.sk);
   float dv[kD / 8][4] = {}, dk[kD / 8][4] = {};  // this warpgroup's 64 keys (GQA: summed over the group)
   const int key0 = n0 + 64 * wg + 16 * warp + g;  // this thread's keys: key0, key0 + 8
@@ -243,12 +243,12 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
   sm90::mbar_wait(kv_full, 0);     // also: no TMA lands after the CTA (iters == 0)
 
   for (int it = 0; it < iters; ++it) {
-    const int st = it % kStages, m0 = q_block(mi) * kBlockM;
+    const int st = int(unsigned(it) % kStages), m0 = q_block(mi) * kBlockM;  // it >= 0: no sign fix-up
     const uint32_t q_s = sQ(st), do_s = sDO(st);
     const uint32_t dst = base + Tr::kDSt + it % Tr::kDStBuffers * Tr::kDStBytes;  // dS^T tile
     const float* lse_st = s_lse + st * kBlockM;
     const float* dsum_st = s_dsum + st * kBlockM;
-    sm90::mbar_wait(full(st), (it / kStages) & 1);
+    sm90::mbar_wait(full(st), int(unsigned(it) / kStages) & 1);
 
     // S^T = K Q^T and dP^T = V dO^T over d (this warpgroup's 64 key rows of K / V, all query rows of Q / dO),
     // K-major operands: k16 steps walk the 128-byte panel rows in 32 bytes; one commit group each.

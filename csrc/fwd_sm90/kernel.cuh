@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   // ---- consumers ----------------------------------------------------------------------------
   sm90::regs_alloc<Tr::kConsumerRegs>();
-  const int wg = threadIdx.x / 128 - 1, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
+  const int wg = sm90::warpgroup_index() - 1, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // accumulator row / column pair within a warp's 16 x 8 tile
   const float scale_log2 = p.softmax_scale_log2;
   const int row0 = m0 + wg * 64 + warp * 16 + g;
@@ -151,8 +151,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   uint32_t p_frag[1][kBlockN / 16][4];
   const uint64_t q_desc = sm90::desc(sQ + wg * 64 * 128, 16);  // this warpgroup's 64 rows
   // Step `it` of the walk is key block n_block_max - 1 - it, in stage it % kStages.
-  auto stage_of = [](int it) { return it % kStages; };
-  auto phase_of = [](int it) { return (it / kStages) & 1; };
+  auto stage_of = [](int it) { return int(unsigned(it) % kStages); };  // it >= 0: unsigned, no sign fix-up
+  auto phase_of = [](int it) { return int(unsigned(it) / kStages) & 1; };
   auto issue_qk = [&](int it) {  // S = Q K^T
     sm90::mbar_wait(k_full(stage_of(it)), phase_of(it));
     sm90::fence();

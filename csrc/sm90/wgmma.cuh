@@ -40,15 +40,10 @@ __device__ __forceinline__ uint64_t desc(uint32_t addr, uint32_t lbo, uint32_t s
   return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(lbo >> 4) << 16 | uint64_t(sbo >> 4) << 32 | uint64_t(1) << 62;
 }
 
-// Descriptor d moved `bytes` further in shared memory. The start address sits in the low word, which cannot
-// carry into the high one: a 32-bit add (a 64-bit one costs the issuing warp several instructions per wgmma).
-__device__ __forceinline__ uint64_t desc_add(uint64_t d, uint32_t bytes) {
-  uint32_t lo, hi;
-  asm("mov.b64 {%0, %1}, %2;\n" : "=r"(lo), "=r"(hi) : "l"(d));
-  uint64_t r;
-  asm("mov.b64 %0, {%1, %2};\n" : "=l"(r) : "r"(lo + (bytes >> 4)), "r"(hi));
-  return r;
-}
+// Descriptor d moved `bytes` further in shared memory: the start address field (bits 0-13, bytes / 16) holds any
+// shared address, so the add never carries out of it. With the descriptor warp-uniform this is one 64-bit uniform
+// add per wgmma.
+__device__ __forceinline__ uint64_t desc_add(uint64_t d, uint32_t bytes) { return d + (bytes >> 4); }
 
 // The descriptor of k16 step `kk` of a K-major tile of kRows rows: 32 bytes further within a panel, the
 // next panel (kRows * 128 bytes) every 4 steps.
@@ -56,6 +51,10 @@ template <int kRows>
 __device__ __forceinline__ uint64_t k_major_step(uint64_t d, int kk) {
   return desc_add(d, (kk / 4) * kRows * 128 + (kk % 4) * 32);
 }
+
+// This thread's warpgroup, broadcast from lane 0 so the compiler knows it is warp-uniform: the descriptors
+// derived from it then live in uniform registers instead of being moved there before every wgmma.
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0); }
 
 #ifdef HF_SM90_ENABLED
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
