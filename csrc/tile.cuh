@@ -67,6 +67,26 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t add
                : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
 }
 
+// stmatrix: lanes 8q..8q+7 give the row addresses of 8 x 8 matrix q; register q of each thread holds the pair of
+// matrix q that an mma accumulator (or A fragment) holds (sm_90).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// A 16-byte global store; `ptr` must be 16-byte aligned (the compiler splits a uint4 store through a pointer it
+// cannot prove aligned into four).
+__device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
 // ---- tensor-core mma: D(16x8, fp32) += A(16x16) * B(16x8) ----------------------
 // A: 4 regs (rows g / g+8, k 2t..2t+1 / +8), B: 2 regs, C/D: 4 floats
 // (rows g, g+8; cols 2t, 2t+1), with g = lane / 4, t = lane % 4.

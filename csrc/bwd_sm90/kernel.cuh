@@ -30,6 +30,7 @@
 
 #include "attn/bwd_common.cuh"
 #include "sm90/schedule.cuh"
+#include "sm90/store.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 
@@ -437,11 +438,19 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     head += mi == 0;
   }
 
-#pragma unroll
-  for (int h2 = 0; h2 < 2; ++h2) {
-    bwd::store_grad_row<kIsBf16, kD>(p, seq, b, hk, key0 + 8 * h2, 2 * t, h2, true, dv);
-    bwd::store_grad_row<kIsBf16, kD>(p, seq, b, hk, key0 + 8 * h2, 2 * t, h2, false, dk);
-  }
+  // dV, then dK, through this warp's 16 rows of the V tile (this warpgroup's rows are read by its dP^T alone).
+  const int warp_key = 64 * wg + 16 * warp;  // this warp's keys: n0 + warp_key ..
+  using Elem = typename tile::Elem<kIsBf16>::T;
+  const float one[2] = {1.f, 1.f};
+  const int64_t row = seq.k0 + n0 + warp_key;
+  sm90::store_rows<kIsBf16, kD, kBlockN>(dv, one, sV, warp_key,
+                                         static_cast<Elem*>(p.dv) + p.dv_batch_stride * b + row * p.dv_row_stride +
+                                             hk * p.dv_head_stride,
+                                         p.dv_row_stride, seq.sk - n0 - warp_key);
+  sm90::store_rows<kIsBf16, kD, kBlockN>(dk, one, sV, warp_key,
+                                         static_cast<Elem*>(p.dk) + p.dk_batch_stride * b + row * p.dk_row_stride +
+                                             hk * p.dk_head_stride,
+                                         p.dk_row_stride, seq.sk - n0 - warp_key);
 #endif  // HF_SM90_ENABLED
 }
 

@@ -23,6 +23,7 @@
 
 #include "attn/fwd_math.cuh"
 #include "flash.h"
+#include "sm90/store.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 #include "tile.cuh"
@@ -250,25 +251,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   if (rb.table) walk(std::true_type{});
   else walk(std::false_type{});
 
-  // ---- epilogue: normalise, LSE, O straight from the accumulators ------------------------
+  // ---- epilogue: normalise, LSE; O through this warpgroup's rows of the Q tile (dead after its last S) ----
   float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
-  T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_start) * p.o_row_stride +
-           head * p.o_head_stride;
   const float* sink = p.sinks ? p.sinks + head : nullptr;
+  float inv[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const fwd::RowNorm n = fwd::row_norm(row_max[0][half] * scale_log2, tile::quad_sum(row_sum[0][half]), sink);
-    const float inv = n.inv;
-    const int i = row_of(0, half);
-    if (i >= seqlen_q) continue;
-    if (t == 0) lse[i] = n.lse;
-    T* dst = out + int64_t(i) * p.o_row_stride + 2 * t;
-#pragma unroll
-    for (int dt = 0; dt < Tr::kDTiles; ++dt) {
-      *reinterpret_cast<uint32_t*>(dst + dt * 8) =
-          tile::pack2<Tr::kIsBf16>(o[0][dt][half * 2] * inv, o[0][dt][half * 2 + 1] * inv);
-    }
+    inv[half] = n.inv;
+    if (t == 0 && row_of(0, half) < seqlen_q) lse[row_of(0, half)] = n.lse;
   }
+  const int warp_row = wg * 64 + warp * 16;  // this warp's rows of the Q tile: query rows m0 + warp_row ..
+  T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_start + m0 + warp_row) * p.o_row_stride +
+           head * p.o_head_stride;
+  sm90::store_rows<Tr::kIsBf16, kHeadDim, kBlockM>(o[0], inv, sQ, warp_row, out, p.o_row_stride,
+                                                   seqlen_q - m0 - warp_row);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __trap();  // compiled for sm_90 without the "a" features: run_fwd_sm90_hdim must not pick this build
 #endif
