@@ -17,6 +17,7 @@
 // before the exponentials: docs/design/forward-sm90.md). The consumers take turns issuing their GEMMs (a
 // scheduler barrier), so one's softmax runs under the other's GEMMs. The masked key blocks (the ends of the
 // walk) and the relative bias are compile-time branches: the loop over the unmasked blocks has no mask code.
+// The epilogue stages O in the warpgroup's rows of the Q tile and stores whole rows (sm90/store.cuh).
 #pragma once
 #include <cmath>
 #include <type_traits>
