@@ -102,3 +102,21 @@ def test_varlen_matches_sm80(monkeypatch, causal):
     assert torch.equal(lse.isposinf(), lse80.isposinf())
     torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(out.float(), out80.float(), atol=1e-2, rtol=0)
+
+
+# Full attention over dense tensors with up to 2048 keys runs persistent CTAs (fwd_sm90/launch.cuh): one CTA per SM
+# walks the tiles, so this shape gives every CTA several, the last of each sequence partial, and keys that are not
+# a multiple of the 128-key block. Causal attention keeps one CTA a tile. Compared with the mma.sync kernel.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_persistent_tiles(monkeypatch, dtype, causal):
+    q = randn(6, 1000, 16, 128, dtype=dtype)  # 6 x 16 x 8 tiles of 128 rows, the last of 104
+    k, v = randn(6, 1900, 4, 128, dtype=dtype), randn(6, 1900, 4, 128, dtype=dtype)
+    call = lambda: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2]  # noqa: E731
+    if torch.cuda.get_device_properties(0).multi_processor_count * 3 > 6 * 16 * 8:
+        pytest.skip("fewer than three tiles a CTA on this GPU")
+    assert any("fwd_sm90_kernel" in n and ("2, true>" in n) != causal for n in forward_kernels(call))
+    out, lse = call()
+    out80, lse80 = run_sm80(monkeypatch, call)
+    torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)

@@ -22,6 +22,7 @@ if not loaded:
 # (name, batch, seqlen, heads, kv heads, head dim, causal): the e2e benchmark's Llama layer, then the paper grid.
 CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384, 16, 8, 128, True),
          ("llama 8x1024", 8, 1024, 16, 8, 128, True),
+         ("d128 causal 1k", 16, 1024, 16, 16, 128, True), ("d128 full 1k", 16, 1024, 16, 16, 128, False),
          ("d128 causal 2k", 8, 2048, 16, 16, 128, True), ("d128 causal 16k", 1, 16384, 16, 16, 128, True),
          ("d128 full 2k", 8, 2048, 16, 16, 128, False), ("d128 full 16k", 1, 16384, 16, 16, 128, False),
          ("d64 causal 1k", 16, 1024, 32, 32, 64, True), ("d64 full 1k", 16, 1024, 32, 32, 64, False),

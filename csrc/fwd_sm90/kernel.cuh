@@ -33,14 +33,16 @@ namespace hf_flash {
 namespace fwd_sm90 {
 
 // kConsumers warpgroups of 64 query rows: 2, or 3 (192-row CTAs; d64 only, where their registers fit; the
-// launch picks, fwd_sm90/launch.cuh).
-template <bool kIsBf16_, int kHeadDim_, int kConsumers_ = 2>
+// launch picks, fwd_sm90/launch.cuh). kPersistent: one CTA per SM walks the tiles (query block, head, batch) of
+// the plain grid's order, its producer loading a tile's Q into a second buffer under the tile before.
+template <bool kIsBf16_, int kHeadDim_, int kConsumers_ = 2, bool kPersistent_ = false>
 struct FwdSm90Traits {
   static constexpr bool kIsBf16 = kIsBf16_;
   using T = typename tile::Elem<kIsBf16>::T;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumers = kConsumers_;
-  static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64), "instantiated shapes");
+  static constexpr bool kPersistent = kPersistent_;
+  static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64 && !kPersistent_), "instantiated shapes");
   static constexpr int kThreads = (kConsumers + 1) * 128;  // + the producer warpgroup
   static constexpr int kBlockM = kConsumers * 64;       // query rows per CTA
   static constexpr int kBlockN = 128;                   // keys per main-loop step
@@ -51,11 +53,16 @@ struct FwdSm90Traits {
   static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 3 ? 160 : 240;
   static_assert(128 * kProducerRegs + kConsumers * 128 * kConsumerRegs <= 65536, "register file");
 
-  // Shared memory: Q, then K and V of each stage (swizzled wgmma tiles), then the mbarriers.
+  // Shared memory: Q (one buffer a tile in flight), then K and V of each stage (swizzled wgmma tiles), then the
+  // mbarriers.
+  static constexpr int kQBuffers = kPersistent ? 2 : 1;
   static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
   static constexpr int kSmemKV = kBlockN * kHeadDim * 2;
-  static constexpr int kBarriers = 1 + 4 * kStages;  // q_full, k_full[], v_full[], k_empty[], v_empty[]
-  static constexpr int kSmemBytes = kSmemQ + kStages * 2 * kSmemKV + kBarriers * 8 + 1024;  // + 1024-alignment slack
+  // q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[]; + 1024 bytes of alignment slack
+  static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
+  static constexpr int kSmemBytes = kQBuffers * kSmemQ + kStages * 2 * kSmemKV + kBarriers * 8 + 1024;
+  // Named barriers: 1 .. kConsumers take turns (below); kTileBarrier lines the consumers up between tiles.
+  static constexpr int kTileBarrier = kConsumers + 1;
 
   static_assert(kHeadDim % 64 == 0, "whole 128-byte swizzle panels (one TMA box each)");
 };
@@ -73,34 +80,49 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
 
+  constexpr int kQBuffers = Tr::kQBuffers;
+  constexpr bool kPersistent = Tr::kPersistent;
+
   extern __shared__ char smem[];
-  const uint32_t sQ = (tile::smem_u32(smem) + 1023) & ~1023u;  // swizzle panels start 1024-aligned
-  auto sK = [&](int stage) { return sQ + Tr::kSmemQ + stage * 2 * Tr::kSmemKV; };
+  const uint32_t sQ0 = (tile::smem_u32(smem) + 1023) & ~1023u;  // swizzle panels start 1024-aligned
+  auto sQ = [&](int buf) { return sQ0 + buf * Tr::kSmemQ; };
+  auto sK = [&](int stage) { return sQ(kQBuffers) + stage * 2 * Tr::kSmemKV; };
   auto sV = [&](int stage) { return sK(stage) + Tr::kSmemKV; };
-  const uint32_t q_full = sK(kStages);
-  auto k_full = [&](int stage) { return q_full + 8 * (1 + stage); };
-  auto v_full = [&](int stage) { return q_full + 8 * (1 + kStages + stage); };
-  auto k_empty = [&](int stage) { return q_full + 8 * (1 + 2 * kStages + stage); };
-  auto v_empty = [&](int stage) { return q_full + 8 * (1 + 3 * kStages + stage); };
+  const uint32_t bars = sK(kStages);
+  auto q_full = [&](int buf) { return bars + 8 * buf; };
+  auto q_empty = [&](int buf) { return bars + 8 * (kQBuffers + buf); };
+  auto k_full = [&](int stage) { return bars + 8 * (2 * kQBuffers + stage); };
+  auto v_full = [&](int stage) { return bars + 8 * (2 * kQBuffers + kStages + stage); };
+  auto k_empty = [&](int stage) { return bars + 8 * (2 * kQBuffers + 2 * kStages + stage); };
+  auto v_empty = [&](int stage) { return bars + 8 * (2 * kQBuffers + 3 * kStages + stage); };
 
-  // ---- this CTA's problem (as in fwd/kernel.cuh) ------------------------------------
-  const int m_block = gridDim.x - 1 - blockIdx.x;  // longest causal rows first
-  const int head = blockIdx.y, batch = blockIdx.z;
+  // ---- the tiles: one CTA each, or (persistent) tiles blockIdx.x, + gridDim.x, .. in the plain grid's order ----
+  const int m_blocks = kPersistent ? (p.seqlen_q + kBlockM - 1) / kBlockM : gridDim.x;
+  const int first_tile = kPersistent ? blockIdx.x : 0, tile_stride = kPersistent ? gridDim.x : 1;
+  const int tiles = kPersistent ? m_blocks * p.h * p.b : 1;
+  // A tile's problem (as in fwd/kernel.cuh); empty when its query block is past its sequence (varlen).
+  struct Tile {
+    int head, batch, q_start, seqlen_q, k_start, seqlen_k, m0, m_last, n_block_min, n_block_max;
+    KeyWindow w;
+  };
+  auto tile_at = [&](int tile) {
+    const int m_block = m_blocks - 1 - (kPersistent ? tile % m_blocks : blockIdx.x);  // longest causal rows first
+    const int head = kPersistent ? tile / m_blocks % p.h : blockIdx.y;
+    const int batch = kPersistent ? tile / m_blocks / p.h : blockIdx.z;
+    const int2 rows_q = seq_rows(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
+    const int2 keys = fwd::key_range(p, batch);
+    const KeyWindow w(p, rows_q.y, keys.y);
+    const int m0 = m_block * kBlockM, m_last = min(m0 + kBlockM, rows_q.y) - 1;
+    const int2 blocks = m0 < rows_q.y ? w.key_blocks(m0, m_last, kBlockN) : make_int2(0, 0);
+    return Tile{head, batch, rows_q.x, rows_q.y, keys.x, keys.y, m0, m_last, blocks.x, blocks.y, w};
+  };
   const bool varlen = p.cu_seqlens_q != nullptr;
-  const int2 rows_q = seq_rows(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
-  const int q_start = rows_q.x, seqlen_q = rows_q.y;
-  const int2 keys = fwd::key_range(p, batch);
-  const int k_start = keys.x, seqlen_k = keys.y;
-  const int m0 = m_block * kBlockM;
-  if (m0 >= seqlen_q) return;
-
-  const KeyWindow w(p, seqlen_q, seqlen_k);
-  const int m_last = min(m0 + kBlockM, seqlen_q) - 1;
-  const int2 blocks = w.key_blocks(m0, m_last, kBlockN);
-  const int n_block_min = blocks.x, n_block_max = blocks.y;
 
   if (threadIdx.x == 0) {
-    sm90::mbar_init(q_full, 1);
+    for (int buf = 0; buf < kQBuffers; ++buf) {
+      sm90::mbar_init(q_full(buf), 1);
+      sm90::mbar_init(q_empty(buf), Tr::kConsumers * 128);
+    }
     for (int stage = 0; stage < kStages; ++stage) {
       sm90::mbar_init(k_full(stage), 1);
       sm90::mbar_init(v_full(stage), 1);
@@ -115,25 +137,36 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   if (threadIdx.x < 128) {
     sm90::regs_dealloc<Tr::kProducerRegs>();
     if (threadIdx.x != 0) return;
-    // Varlen tensors are one batch of total rows; rows past a sequence are masked (K), multiply P = 0
-    // (V) or are not stored (Q); rows past the tensor read as zero.
-    const int tma_batch = varlen ? 0 : batch;
-    const int head_k = head / (p.h / p.h_k);
-    sm90::mbar_arrive_expect_tx(q_full, Tr::kSmemQ);
-    for (int panel = 0; panel < kHeadDim / 64; ++panel) {
-      sm90::tma_load_4d(sQ + panel * kBlockM * 128, &maps.q, q_full, panel * 64, head, q_start + m0, tma_batch);
-    }
-    for (int n_block = n_block_max - 1, it = 0; n_block >= n_block_min; --n_block, ++it) {
-      const int stage = it % kStages, reuse_phase = (it / kStages - 1) & 1, row = k_start + n_block * kBlockN;
-      if (it >= kStages) sm90::mbar_wait(k_empty(stage), reuse_phase);
-      sm90::mbar_arrive_expect_tx(k_full(stage), Tr::kSmemKV);
+    // The K / V ring runs on across tiles: step `it` counts every key block this CTA has loaded.
+    for (int tile = first_tile, it = 0, q_it = 0; tile < tiles; tile += tile_stride) {
+      const Tile tl = tile_at(tile);
+      if (tl.m0 >= tl.seqlen_q) continue;
+      // Varlen tensors are one batch of total rows; rows past a sequence are masked (K), multiply P = 0
+      // (V) or are not stored (Q); rows past the tensor read as zero.
+      const int tma_batch = varlen ? 0 : tl.batch;
+      const int head_k = tl.head / (p.h / p.h_k);
+      const int buf = q_it % kQBuffers;
+      if (q_it >= kQBuffers) sm90::mbar_wait(q_empty(buf), (q_it / kQBuffers - 1) & 1);  // its O rows are stored
+      ++q_it;
+      sm90::mbar_arrive_expect_tx(q_full(buf), Tr::kSmemQ);
       for (int panel = 0; panel < kHeadDim / 64; ++panel) {
-        sm90::tma_load_4d(sK(stage) + panel * kBlockN * 128, &maps.k, k_full(stage), panel * 64, head_k, row, tma_batch);
+        sm90::tma_load_4d(sQ(buf) + panel * kBlockM * 128, &maps.q, q_full(buf), panel * 64, tl.head,
+                          tl.q_start + tl.m0, tma_batch);
       }
-      if (it >= kStages) sm90::mbar_wait(v_empty(stage), reuse_phase);
-      sm90::mbar_arrive_expect_tx(v_full(stage), Tr::kSmemKV);
-      for (int panel = 0; panel < kHeadDim / 64; ++panel) {
-        sm90::tma_load_4d(sV(stage) + panel * kBlockN * 128, &maps.v, v_full(stage), panel * 64, head_k, row, tma_batch);
+      for (int n_block = tl.n_block_max - 1; n_block >= tl.n_block_min; --n_block, ++it) {
+        const int stage = it % kStages, reuse_phase = (it / kStages - 1) & 1, row = tl.k_start + n_block * kBlockN;
+        if (it >= kStages) sm90::mbar_wait(k_empty(stage), reuse_phase);
+        sm90::mbar_arrive_expect_tx(k_full(stage), Tr::kSmemKV);
+        for (int panel = 0; panel < kHeadDim / 64; ++panel) {
+          sm90::tma_load_4d(sK(stage) + panel * kBlockN * 128, &maps.k, k_full(stage), panel * 64, head_k, row,
+                            tma_batch);
+        }
+        if (it >= kStages) sm90::mbar_wait(v_empty(stage), reuse_phase);
+        sm90::mbar_arrive_expect_tx(v_full(stage), Tr::kSmemKV);
+        for (int panel = 0; panel < kHeadDim / 64; ++panel) {
+          sm90::tma_load_4d(sV(stage) + panel * kBlockN * 128, &maps.v, v_full(stage), panel * 64, head_k, row,
+                            tma_batch);
+        }
       }
     }
     return;
@@ -144,129 +177,152 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int wg = sm90::warpgroup_index() - 1, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // accumulator row / column pair within a warp's 16 x 8 tile
   const float scale_log2 = p.softmax_scale_log2;
-  const int row0 = m0 + wg * 64 + warp * 16 + g;
-  auto row_of = [&](int, int half) { return row0 + half * 8; };
+  // kv_base: key blocks of the CTA's earlier tiles (the K / V ring runs on across tiles).
+  for (int tile = first_tile, kv_base = 0, q_it = 0; tile < tiles; tile += tile_stride) {
+    const Tile tl = tile_at(tile);
+    if (tl.m0 >= tl.seqlen_q) continue;
+    const int head = tl.head, batch = tl.batch, q_start = tl.q_start, seqlen_q = tl.seqlen_q, m0 = tl.m0;
+    const int n_block_max = tl.n_block_max;
+    const KeyWindow& w = tl.w;
+    const int buf = q_it % kQBuffers, q_phase = (q_it / kQBuffers) & 1;
+    ++q_it;
+    const int row0 = m0 + wg * 64 + warp * 16 + g;
+    auto row_of = [&](int, int half) { return row0 + half * 8; };
 
-  float o[1][Tr::kDTiles][4] = {};
-  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}}, alpha[1][2];
-  float s[1][Tr::kNTiles][4];
-  uint32_t p_frag[1][kBlockN / 16][4];
-  const uint64_t q_desc = sm90::desc(sQ + wg * 64 * 128, 16);  // this warpgroup's 64 rows
-  // Step `it` of the walk is key block n_block_max - 1 - it, in stage it % kStages.
-  auto stage_of = [](int it) { return int(unsigned(it) % kStages); };  // it >= 0: unsigned, no sign fix-up
-  auto phase_of = [](int it) { return int(unsigned(it) / kStages) & 1; };
-  auto issue_qk = [&](int it) {  // S = Q K^T
-    sm90::mbar_wait(k_full(stage_of(it)), phase_of(it));
-    sm90::fence();
-    const uint64_t k_desc = sm90::desc(sK(stage_of(it)), 16);
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      sm90::mma_ss<128, Tr::kIsBf16, 0, 0>(s[0], sm90::k_major_step<kBlockM>(q_desc, kk),
-                                       sm90::k_major_step<kBlockN>(k_desc, kk), kk > 0);
-    }
-    sm90::commit();
-  };
-  auto issue_pv = [&](int it) {  // O += P V
-    sm90::mbar_wait(v_full(stage_of(it)), phase_of(it));
-    sm90::fence();
-    const uint64_t v_desc = sm90::desc(sV(stage_of(it)), kBlockN * 128);
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      sm90::mma_rs<kHeadDim, Tr::kIsBf16, 1>(o[0], p_frag[0][kk], v_desc + ((kk * 16 * 128) >> 4), true);
-    }
-    sm90::commit();
-  };
-  const RelBias rb(p, head, seqlen_q, seqlen_k);
-  auto key0 = [&](int it) { return (n_block_max - 1 - it) * kBlockN; };
-  // Whether every (row, key) of step it is visible. The masked steps are a prefix of the walk (the causal
-  // diagonal or a window's right edge, and the partial last key block) and a suffix (a window's left edge).
-  auto unmasked = [&](int it) { return w.covers(m0, m_last, key0(it), key0(it) + kBlockN - 1); };
-  // On S of step it, landed; alpha for O. kMasked / kBiased are compile-time, so the loop of unmasked steps
-  // carries no mask code and no branch between the two wgmma waits.
-  auto softmax = [&](int it, auto masked, auto biased) {
-    if constexpr (decltype(biased)::value) {
-      fwd::add_rel_bias(s, rb, fwd::kLog2e / scale_log2, row0 - g, row0 - g + 15, key0(it), t, row_of);
-    }
-    if constexpr (decltype(masked)::value) fwd::apply_mask(s, w, key0(it), t, row_of);
-    fwd::softmax_step<Tr>(s, row_max, row_sum, alpha, scale_log2);
-  };
-
-  // The two consumers take turns at the tensor cores (FlashAttention-3's scheduler barrier, named barriers
-  // 1 and 2): each waits for its turn before issuing a step's two GEMMs and passes the turn on once they are
-  // issued, so one warpgroup's softmax runs under the other's GEMMs instead of both contending at once.
-  // Warpgroup 0 starts with the turn; warpgroup 1 does not pass it back after its last step, which leaves
-  // both barriers with as many arrivals as waits.
-  const int steps = n_block_max - n_block_min;
-  constexpr int kTurnThreads = 2 * 128;  // the waiting warpgroup and the one passing the turn to it
-  auto await_turn = [&] { sm90::named_barrier_sync(1 + wg, kTurnThreads); };
-  auto pass_turn = [&](int it) {
-    if (wg + 1 < Tr::kConsumers || it + 1 < steps) sm90::named_barrier_arrive(1 + (wg + 1) % Tr::kConsumers, kTurnThreads);
-  };
-  if (wg == 0 && steps > 1) sm90::named_barrier_arrive(1, kTurnThreads);
-
-  // One step of the walk (it >= 1): S_it = Q K_it^T and O += P_{it-1} V_{it-1} back to back, the softmax of
-  // S_it between the waits for the two, O rescaled once the second has landed.
-  auto step = [&](int it, auto masked, auto biased) {
-    sm90::fence_operand(o);
-    sm90::fence_operand(p_frag);
-    await_turn();
-    issue_qk(it);
-    issue_pv(it - 1);
-    pass_turn(it);
-    sm90::wait<1>();  // S landed; P V may still run
-    sm90::fence_operand(s);
-    sm90::mbar_arrive(k_empty(stage_of(it)));
-    softmax(it, masked, biased);
-    sm90::wait<0>();
-    sm90::fence_operand(o);
-    sm90::fence_operand(p_frag);
-    sm90::mbar_arrive(v_empty(stage_of(it - 1)));
-    fwd::rescale_o<Tr>(o, alpha);
-    fwd::pack_p<Tr>(p_frag, s);
-  };
-  auto walk = [&](auto biased) {
-    if (steps == 0) return;
-    issue_qk(0);
-    sm90::wait<0>();
-    sm90::fence_operand(s);
-    sm90::mbar_arrive(k_empty(stage_of(0)));
-    if (unmasked(0)) softmax(0, std::false_type{}, biased);  // O is still 0: no rescale
-    else softmax(0, std::true_type{}, biased);
-    fwd::pack_p<Tr>(p_frag, s);
-    // The masked steps one at a time, the unmasked ones in a loop of their own (one instance of each step: a
-    // third for the window's left edge made ptxas spill with three consumer warpgroups).
-    for (int it = 1; it < steps;) {
-      if (!unmasked(it)) {
-        step(it++, std::true_type{}, biased);
-      } else {
-        for (; it < steps && unmasked(it); ++it) step(it, std::false_type{}, biased);
+    float o[1][Tr::kDTiles][4] = {};
+    float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}}, alpha[1][2];
+    float s[1][Tr::kNTiles][4];
+    uint32_t p_frag[1][kBlockN / 16][4];
+    const uint64_t q_desc = sm90::desc(sQ(buf) + wg * 64 * 128, 16);  // this warpgroup's 64 rows
+    // Step `it` of the walk is key block n_block_max - 1 - it, in stage (kv_base + it) % kStages.
+    auto stage_of = [&](int it) { return int(unsigned(kv_base + it) % kStages); };  // >= 0: no sign fix-up
+    auto phase_of = [&](int it) { return int(unsigned(kv_base + it) / kStages) & 1; };
+    auto issue_qk = [&](int it) {  // S = Q K^T
+      sm90::mbar_wait(k_full(stage_of(it)), phase_of(it));
+      sm90::fence();
+      const uint64_t k_desc = sm90::desc(sK(stage_of(it)), 16);
+  #pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        sm90::mma_ss<128, Tr::kIsBf16, 0, 0>(s[0], sm90::k_major_step<kBlockM>(q_desc, kk),
+                                         sm90::k_major_step<kBlockN>(k_desc, kk), kk > 0);
       }
-    }
-    sm90::fence_operand(o);
-    sm90::fence_operand(p_frag);
-    issue_pv(steps - 1);
-    sm90::wait<0>();
-    sm90::fence_operand(o);
-  };
-  sm90::mbar_wait(q_full, 0);
-  if (rb.table) walk(std::true_type{});
-  else walk(std::false_type{});
+      sm90::commit();
+    };
+    auto issue_pv = [&](int it) {  // O += P V
+      sm90::mbar_wait(v_full(stage_of(it)), phase_of(it));
+      sm90::fence();
+      const uint64_t v_desc = sm90::desc(sV(stage_of(it)), kBlockN * 128);
+  #pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        sm90::mma_rs<kHeadDim, Tr::kIsBf16, 1>(o[0], p_frag[0][kk], v_desc + ((kk * 16 * 128) >> 4), true);
+      }
+      sm90::commit();
+    };
+    const RelBias rb(p, head, seqlen_q, tl.seqlen_k);
+    auto key0 = [&](int it) { return (n_block_max - 1 - it) * kBlockN; };
+    // Whether every (row, key) of step it is visible. The masked steps are a prefix of the walk (the causal
+    // diagonal or a window's right edge, and the partial last key block) and a suffix (a window's left edge).
+    auto unmasked = [&](int it) { return w.covers(m0, tl.m_last, key0(it), key0(it) + kBlockN - 1); };
+    // On S of step it, landed; alpha for O. kMasked / kBiased are compile-time, so the loop of unmasked steps
+    // carries no mask code and no branch between the two wgmma waits.
+    auto softmax = [&](int it, auto masked, auto biased) {
+      if constexpr (decltype(biased)::value) {
+        fwd::add_rel_bias(s, rb, fwd::kLog2e / scale_log2, row0 - g, row0 - g + 15, key0(it), t, row_of);
+      }
+      if constexpr (decltype(masked)::value) fwd::apply_mask(s, w, key0(it), t, row_of);
+      fwd::softmax_step<Tr>(s, row_max, row_sum, alpha, scale_log2);
+    };
 
-  // ---- epilogue: normalise, LSE; O through this warpgroup's rows of the Q tile (dead after its last S) ----
-  float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
-  const float* sink = p.sinks ? p.sinks + head : nullptr;
-  float inv[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const fwd::RowNorm n = fwd::row_norm(row_max[0][half] * scale_log2, tile::quad_sum(row_sum[0][half]), sink);
-    inv[half] = n.inv;
-    if (t == 0 && row_of(0, half) < seqlen_q) lse[row_of(0, half)] = n.lse;
+    // The consumers take turns at the tensor cores (FlashAttention-3's scheduler barrier, named barriers
+    // 1 .. kConsumers): each waits for its turn before issuing a step's two GEMMs and passes the turn on once they
+    // are issued, so one warpgroup's softmax runs under the others' GEMMs instead of all contending at once.
+    // Warpgroup 0 starts a tile with the turn; the last warpgroup does not pass it back after its last step, which
+    // leaves every barrier with as many arrivals as waits. Between tiles (persistent) the consumers line up on
+    // kTileBarrier first: a warpgroup a tile ahead would otherwise pass a turn the next one has not yet taken.
+    const int steps = n_block_max - tl.n_block_min;
+    constexpr int kTurnThreads = 2 * 128;  // the waiting warpgroup and the one passing the turn to it
+    auto await_turn = [&] { sm90::named_barrier_sync(1 + wg, kTurnThreads); };
+    auto pass_turn = [&](int it) {
+      if (wg + 1 < Tr::kConsumers || it + 1 < steps) {
+        sm90::named_barrier_arrive(1 + (wg + 1) % Tr::kConsumers, kTurnThreads);
+      }
+    };
+    auto start_turns = [&] {
+      if constexpr (kPersistent) sm90::named_barrier_sync(Tr::kTileBarrier, Tr::kConsumers * 128);
+      if (wg == 0 && steps > 1) sm90::named_barrier_arrive(1, kTurnThreads);
+    };
+
+    // One step of the walk (it >= 1): S_it = Q K_it^T and O += P_{it-1} V_{it-1} back to back, the softmax of
+    // S_it between the waits for the two, O rescaled once the second has landed.
+    auto step = [&](int it, auto masked, auto biased) {
+      sm90::fence_operand(o);
+      sm90::fence_operand(p_frag);
+      await_turn();
+      issue_qk(it);
+      issue_pv(it - 1);
+      pass_turn(it);
+      sm90::wait<1>();  // S landed; P V may still run
+      sm90::fence_operand(s);
+      sm90::mbar_arrive(k_empty(stage_of(it)));
+      softmax(it, masked, biased);
+      sm90::wait<0>();
+      sm90::fence_operand(o);
+      sm90::fence_operand(p_frag);
+      sm90::mbar_arrive(v_empty(stage_of(it - 1)));
+      fwd::rescale_o<Tr>(o, alpha);
+      fwd::pack_p<Tr>(p_frag, s);
+    };
+    auto walk = [&](auto biased) {
+      if (steps == 0) return;
+      issue_qk(0);
+      sm90::wait<0>();
+      sm90::fence_operand(s);
+      sm90::mbar_arrive(k_empty(stage_of(0)));
+      if (unmasked(0)) softmax(0, std::false_type{}, biased);  // O is still 0: no rescale
+      else softmax(0, std::true_type{}, biased);
+      fwd::pack_p<Tr>(p_frag, s);
+      start_turns();
+      // The masked steps one at a time, the unmasked ones in a loop of their own (one instance of each step: a
+      // third for the window's left edge made ptxas spill with three consumer warpgroups).
+      for (int it = 1; it < steps;) {
+        if (!unmasked(it)) {
+          step(it++, std::true_type{}, biased);
+        } else {
+          for (; it < steps && unmasked(it); ++it) step(it, std::false_type{}, biased);
+        }
+      }
+      sm90::fence_operand(o);
+      sm90::fence_operand(p_frag);
+      issue_pv(steps - 1);
+      sm90::wait<0>();
+      sm90::fence_operand(o);
+      sm90::mbar_arrive(v_empty(stage_of(steps - 1)));  // the next tile's loads reuse the stage
+    };
+    sm90::mbar_wait(q_full(buf), q_phase);
+    if (rb.table) walk(std::true_type{});
+    else walk(std::false_type{});
+    kv_base += steps;
+
+    // ---- epilogue: normalise, LSE; O through this warpgroup's rows of the Q tile (dead after its last S) ----
+    float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
+    const float* sink = p.sinks ? p.sinks + head : nullptr;
+    float inv[2];
+  #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const fwd::RowNorm n = fwd::row_norm(row_max[0][half] * scale_log2, tile::quad_sum(row_sum[0][half]), sink);
+      inv[half] = n.inv;
+      if (t == 0 && row_of(0, half) < seqlen_q) lse[row_of(0, half)] = n.lse;
+    }
+    const int warp_row = wg * 64 + warp * 16;  // this warp's rows of the Q tile: query rows m0 + warp_row ..
+    T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_start + m0 + warp_row) * p.o_row_stride +
+             head * p.o_head_stride;
+    sm90::store_rows<Tr::kIsBf16, kHeadDim, kBlockM>(o[0], inv, sQ(buf), warp_row, out, p.o_row_stride,
+                                                     seqlen_q - m0 - warp_row);
+    if constexpr (kPersistent) {  // this thread is done with the staged O: the next Q may land (through TMA)
+      sm90::fence_proxy_async();
+      sm90::mbar_arrive(q_empty(buf));
+    }
   }
-  const int warp_row = wg * 64 + warp * 16;  // this warp's rows of the Q tile: query rows m0 + warp_row ..
-  T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_start + m0 + warp_row) * p.o_row_stride +
-           head * p.o_head_stride;
-  sm90::store_rows<Tr::kIsBf16, kHeadDim, kBlockM>(o[0], inv, sQ, warp_row, out, p.o_row_stride,
-                                                   seqlen_q - m0 - warp_row);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   __trap();  // compiled for sm_90 without the "a" features: run_fwd_sm90_hdim must not pick this build
 #endif

@@ -1,5 +1,7 @@
 // Hopper forward launch: TMA maps, grid and shared memory of fwd_sm90_kernel per (dtype, head dim).
 #pragma once
+#include <algorithm>
+
 #include "flash.h"
 #include "fwd_sm90/kernel.cuh"
 #include "sm90/tma.cuh"
@@ -15,8 +17,10 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   auto kernel = &fwd_sm90::fwd_sm90_kernel<Tr>;
   static const bool has_sm90a = sm90::has_sm90a_code(kernel);
   if (!has_sm90a) return cudaErrorNoKernelImageForDevice;
-  const dim3 grid((p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM, p.h, p.b);
-  if (grid.x == 0 || p.b == 0) return cudaSuccess;
+  const int m_blocks = (p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+  if (m_blocks == 0 || p.b == 0) return cudaSuccess;
+  const int64_t tiles = int64_t(m_blocks) * p.h * p.b;
+  const dim3 grid = Tr::kPersistent ? dim3(unsigned(std::min<int64_t>(tiles, p.num_sms))) : dim3(m_blocks, p.h, p.b);
 
   // Maps over (d, heads, rows, batch); a varlen tensor is one batch of its total rows.
   const bool varlen = p.cu_seqlens_q != nullptr;
@@ -46,11 +50,21 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 // d64 runs 192-row CTAs (three consumer warpgroups) except causal attention over at most 1k query rows, where
 // the coarser blocks cover more of the masked triangle: same-process A/B against 128-row CTAs, 0.92x at causal
 // 1k and 1.03-1.13x at causal 2k / 16k and non-causal 1k / 16k (docs/design/forward-sm90.md).
+// Full attention over dense tensors with up to kPersistentKeys keys runs persistent CTAs (two consumers): a tile
+// of few key blocks would otherwise wait for its Q and first K / V with nothing to overlap them. Same-process A/B,
+// d128: full 1k / 2k 1.08x / 1.05x; causal 1k / 2k and Llama 8 x 1024 0.94-0.99x (tiles of unequal work dealt
+// round-robin), so causal, windowed, packed and KV-cache rows keep one CTA a tile (docs/design/forward-sm90.md).
+// Three consumers of 160 registers spill 244 bytes with the tile loop.
+constexpr int kPersistentKeys = 2048;
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
   if constexpr (kHeadDim == 64) {
     const bool causal = p.window_right == 0;
     if (!causal || p.seqlen_q > 1024) return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, 64, 3>>(p, stream);
+  }
+  const bool uniform_tiles = p.window_left < 0 && p.window_right < 0 && !p.cu_seqlens_q && !p.seqused_k;
+  if (uniform_tiles && p.seqlen_k <= kPersistentKeys) {
+    return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true>>(p, stream);
   }
   return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2>>(p, stream);
 }
