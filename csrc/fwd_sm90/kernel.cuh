@@ -1,8 +1,9 @@
 // FlashAttention forward on Hopper warpgroup MMA (wgmma, sm_90a), for the cases fwd_sm90_supports (csrc/fwd.cu)
 // names: causal, sliding-window or full attention, sinks, relative bias; the mma.sync kernel in fwd/ covers the rest.
 //
-// One CTA owns kBlockM = 128 (or 192) query rows of one (batch, head) and three (or four) warpgroups:
-//   producer  (24 registers): one thread issues TMA loads of Q once and of K / V per key block into
+// A tile is kBlockM = 128 (or 192) query rows of one (batch, head); a CTA owns one tile (or, persistent, walks
+// several) and three (or four) warpgroups:
+//   producer  (24 registers): one thread issues TMA loads of Q once a tile and of K / V per key block into
 //             two-stage rings, each stage guarded by a "full" mbarrier (TMA bytes landed) and an "empty"
 //             one (both consumers done with it);
 //   consumers (240 registers; 160 with three): 64 query rows each, one m64 wgmma tile. They walk the visible key blocks
@@ -79,7 +80,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #ifdef HF_SM90_ENABLED
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
-
   constexpr int kQBuffers = Tr::kQBuffers;
   constexpr bool kPersistent = Tr::kPersistent;
 
