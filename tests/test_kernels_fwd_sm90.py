@@ -107,12 +107,16 @@ def test_varlen_matches_sm80(monkeypatch, causal):
 # Full attention over dense tensors with up to 2048 keys runs persistent CTAs (fwd_sm90/launch.cuh): one CTA per SM
 # walks the tiles, so this shape gives every CTA several, the last of each sequence partial, and keys that are not
 # a multiple of the 128-key block. Causal attention keeps one CTA a tile. Compared with the mma.sync kernel.
+# Learned sinks and T5's relative bias ride along (per tile: its head's sink and table rows).
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_persistent_tiles(monkeypatch, dtype, causal):
+@pytest.mark.parametrize("feature", ["", "sinks", "rel_bias"])
+def test_persistent_tiles(monkeypatch, dtype, causal, feature):
     q = randn(6, 1000, 16, 128, dtype=dtype)  # 6 x 16 x 8 tiles of 128 rows, the last of 104
     k, v = randn(6, 1900, 4, 128, dtype=dtype), randn(6, 1900, 4, 128, dtype=dtype)
-    call = lambda: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2]  # noqa: E731
+    extra = {"sinks": {"learnable_sink": torch.randn(16, device="cuda")},
+             "rel_bias": {"rel_bias": torch.randn(16, 2 * 128 + 1, device="cuda")}}.get(feature, {})
+    call = lambda: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **extra)[:2]  # noqa: E731
     if torch.cuda.get_device_properties(0).multi_processor_count * 3 > 6 * 16 * 8:
         pytest.skip("fewer than three tiles a CTA on this GPU")
     assert any("fwd_sm90_kernel" in n and ("2, true>" in n) != causal for n in forward_kernels(call))
