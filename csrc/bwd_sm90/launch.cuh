@@ -56,7 +56,7 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   // Sections of (kv head, batch) pairs (sm90/schedule.cuh); a pair's key blocks share its Q and dO.
   const int n_blocks = bwd::num_n_blocks(p), pairs = p.h_k * p.b;
   const int group = sm90::section_group(p.window_right == 0, pairs, n_blocks, p.num_sms,
-                                        int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2);
+                                        int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2, int64_t(32) << 20);
   kernel<<<n_blocks * pairs, Tr::kThreads, smem, stream>>>(pk, maps, ws.dsum, ws.counters, group);
   return bwd::bwd_epilogue<kIsBf16, kHeadDim>(p, ws, stream);
 }

@@ -25,6 +25,7 @@
 
 #include "attn/fwd_math.cuh"
 #include "flash.h"
+#include "sm90/schedule.cuh"
 #include "sm90/store.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
@@ -76,7 +77,7 @@ struct TmaMaps {
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TmaMaps maps) {
+    fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TmaMaps maps, int group) {
 #ifdef HF_SM90_ENABLED
   using T = typename Tr::T;
   constexpr int kBlockM = Tr::kBlockM, kBlockN = Tr::kBlockN, kHeadDim = Tr::kHeadDim, kStages = Tr::kStages;
@@ -96,19 +97,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   auto k_empty = [&](int stage) { return bars + 8 * (2 * kQBuffers + 2 * kStages + stage); };
   auto v_empty = [&](int stage) { return bars + 8 * (2 * kQBuffers + 3 * kStages + stage); };
 
-  // ---- the tiles: one CTA each, or (persistent) tiles blockIdx.x, + gridDim.x, .. in the plain grid's order ----
-  const int m_blocks = kPersistent ? (p.seqlen_q + kBlockM - 1) / kBlockM : gridDim.x;
-  const int first_tile = kPersistent ? blockIdx.x : 0, tile_stride = kPersistent ? gridDim.x : 1;
-  const int tiles = kPersistent ? m_blocks * p.h * p.b : 1;
+  // ---- the tiles: one CTA each, in sections of `group` (head, batch) pairs, or (persistent) couples of a pair's
+  // query blocks of equal causal work, round-robin (sm90/schedule.cuh) ----
+  const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  const sm90::FoldedTiles folded(m_blocks);
+  const int first_tile = kPersistent ? folded.first() : 0, tiles = kPersistent ? 2 * folded.couples * p.h * p.b : 1;
+  auto next_tile = [&](int tile) { return kPersistent ? folded.next(tile) : tiles; };
   // A tile's problem (as in fwd/kernel.cuh); empty when its query block is past its sequence (varlen).
   struct Tile {
     int head, batch, q_start, seqlen_q, k_start, seqlen_k, m0, m_last, n_block_min, n_block_max;
     KeyWindow w;
   };
   auto tile_at = [&](int tile) {
-    const int m_block = m_blocks - 1 - (kPersistent ? tile % m_blocks : blockIdx.x);  // longest causal rows first
-    const int head = kPersistent ? tile / m_blocks % p.h : blockIdx.y;
-    const int batch = kPersistent ? tile / m_blocks / p.h : blockIdx.z;
+    const sm90::SectionTile st = kPersistent ? folded.at(tile) : sm90::section_tile(p.h * p.b, m_blocks, group);
+    const int m_block = m_blocks - 1 - st.block;  // block 0: the longest causal rows; -1: none (m0 past the rows)
+    const int head = st.pair % p.h, batch = st.pair / p.h;
     const int2 rows_q = seq_rows(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
     const int2 keys = fwd::key_range(p, batch);
     const KeyWindow w(p, rows_q.y, keys.y);
@@ -138,7 +141,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     sm90::regs_dealloc<Tr::kProducerRegs>();
     if (threadIdx.x != 0) return;
     // The K / V ring runs on across tiles: step `it` counts every key block this CTA has loaded.
-    for (int tile = first_tile, it = 0, q_it = 0; tile < tiles; tile += tile_stride) {
+    for (int tile = first_tile, it = 0, q_it = 0; tile < tiles; tile = next_tile(tile)) {
       const Tile tl = tile_at(tile);
       if (tl.m0 >= tl.seqlen_q) continue;
       // Varlen tensors are one batch of total rows; rows past a sequence are masked (K), multiply P = 0
@@ -178,7 +181,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int g = lane / 4, t = lane % 4;  // accumulator row / column pair within a warp's 16 x 8 tile
   const float scale_log2 = p.softmax_scale_log2;
   // kv_base: key blocks of the CTA's earlier tiles (the K / V ring runs on across tiles).
-  for (int tile = first_tile, kv_base = 0, q_it = 0; tile < tiles; tile += tile_stride) {
+  for (int tile = first_tile, kv_base = 0, q_it = 0; tile < tiles; tile = next_tile(tile)) {
     const Tile tl = tile_at(tile);
     if (tl.m0 >= tl.seqlen_q) continue;
     const int head = tl.head, batch = tl.batch, q_start = tl.q_start, seqlen_q = tl.seqlen_q, m0 = tl.m0;

@@ -1,9 +1,10 @@
-// CTA order of the Hopper backward (generic: no attention code here): a 1-D grid of (pair, block) tiles, where
-// a pair is a (kv head, batch) and its blocks are the CTAs of that pair, numbered heaviest first. Tiles run in
+// CTA order of the Hopper kernels (generic: no attention code here): a 1-D grid of (pair, block) tiles, where
+// a pair's blocks are the CTAs that share its data in L2, numbered heaviest first: the backward's key blocks of a
+// (kv head, batch), sharing Q / dO; the forward's query blocks of a (head, batch), sharing K / V. Tiles run in
 // sections of `group` pairs, the block the slowest index within a section. Causal blocks differ in work; with
 // one pair's blocks in a row (group 1) the last pairs' heavy blocks start late and run alone at the end of the
 // grid. A section of enough pairs lets its light blocks balance its heavy ones across the SMs; too many pairs
-// and the CTAs of a wave no longer share their pair's data (Q / dO) in L2 (docs/design/backward-sm90.md).
+// and the CTAs of a wave no longer share their pair's data in L2 (docs/design/backward-sm90.md).
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -21,13 +22,28 @@ __device__ __forceinline__ SectionTile section_tile(int pairs, int blocks, int g
   return {section * group + r % in_section, r / in_section};
 }
 
+// Persistent CTAs: a pair's blocks folded into couples (f, blocks - 1 - f), of equal work when the work falls
+// linearly with the block (causal), dealt round-robin over the grid; a CTA runs both halves of a couple in a row.
+// Folded tile u: couple u / 2, half u % 2; block -1 is the missing half of an odd count's middle couple.
+struct FoldedTiles {
+  int blocks, couples;  // couples per pair
+  __device__ __forceinline__ FoldedTiles(int blocks_) : blocks(blocks_), couples((blocks_ + 1) / 2) {}
+  __device__ __forceinline__ int first() const { return 2 * blockIdx.x; }
+  __device__ __forceinline__ int next(int u) const { return u % 2 ? u - 1 + 2 * gridDim.x : u + 1; }
+  __device__ __forceinline__ SectionTile at(int u) const {
+    const int couple = u / 2, pair = couple / couples, f = couple - pair * couples;
+    const int block = u % 2 ? blocks - 1 - f : f;
+    return {pair, u % 2 && block == f ? -1 : block};
+  }
+};
+
 // Pairs per section. Causal: a heavy block ~ `blocks` units of work, a section ~ pairs * blocks^2 / 2 units over
-// num_sms, so 2 * num_sms / blocks pairs balance it; capped at 32 MiB of `pair_bytes` (what a pair's blocks
+// num_sms, so 2 * num_sms / blocks pairs balance it; capped at `cap_bytes` of `pair_bytes` (what a pair's blocks
 // share). Not causal: every block is alike, and one pair's blocks in a row share their data in L2 best.
-inline int section_group(bool causal, int pairs, int blocks, int num_sms, int64_t pair_bytes) {
+inline int section_group(bool causal, int pairs, int blocks, int num_sms, int64_t pair_bytes, int64_t cap_bytes) {
   if (!causal || blocks <= 0) return 1;
   const int64_t balance = (2 * int64_t(num_sms) + blocks - 1) / blocks;
-  const int64_t cap = (int64_t(32) << 20) / std::max<int64_t>(1, pair_bytes);
+  const int64_t cap = cap_bytes / std::max<int64_t>(1, pair_bytes);
   return int(std::max<int64_t>(1, std::min<int64_t>({balance, cap, pairs})));
 }
 
