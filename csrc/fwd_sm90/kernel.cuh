@@ -35,8 +35,8 @@ namespace hf_flash {
 namespace fwd_sm90 {
 
 // kConsumers warpgroups of 64 query rows: 2, or 3 (192-row CTAs; d64 only, where their registers fit; the
-// launch picks, fwd_sm90/launch.cuh). kPersistent: one CTA per SM walks the tiles (query block, head, batch) of
-// the plain grid's order, its producer loading a tile's Q into a second buffer under the tile before.
+// launch picks, fwd_sm90/launch.cuh). kPersistent: one CTA per SM walks couples of tiles (sm90::FoldedTiles), its
+// producer loading a tile's Q into a second buffer under the tile before.
 template <bool kIsBf16_, int kHeadDim_, int kConsumers_ = 2, bool kPersistent_ = false>
 struct FwdSm90Traits {
   static constexpr bool kIsBf16 = kIsBf16_;

@@ -58,11 +58,12 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 // d64 runs 192-row CTAs (three consumer warpgroups) except causal attention over at most 1k query rows, where
 // the coarser blocks cover more of the masked triangle: same-process A/B against 128-row CTAs, 0.92x at causal
 // 1k and 1.03-1.13x at causal 2k / 16k and non-causal 1k / 16k (docs/design/forward-sm90.md).
-// Full attention over dense tensors with up to kPersistentKeys keys runs persistent CTAs (two consumers): a tile
-// of few key blocks would otherwise wait for its Q and first K / V with nothing to overlap them. Same-process A/B,
-// d128: full 1k / 2k 1.08x / 1.05x; causal 1k / 2k and Llama 8 x 1024 0.94-0.99x (tiles of unequal work dealt
-// round-robin), so causal, windowed, packed and KV-cache rows keep one CTA a tile (docs/design/forward-sm90.md).
-// Three consumers of 160 registers spill 244 bytes with the tile loop.
+// Full and causal attention over dense tensors with up to kPersistentKeys keys runs persistent CTAs (two
+// consumers): a tile of few key blocks would otherwise wait for its Q and first K / V with nothing to overlap them.
+// Causal tiles go in couples of equal work (sm90/schedule.cuh); dealt one by one round-robin they lost 1-6%.
+// Same-process A/B: d128 full 1k / 2k 1.08x / 1.05x, causal 1k / 2k 1.14x / 1.08x, Llama 8 x 1024 1.18x, d64
+// causal 1k 1.14x (docs/design/forward-sm90.md). Windowed, packed and KV-cache rows keep one CTA a tile. Three
+// consumers of 160 registers spill 244 bytes with the tile loop.
 constexpr int kPersistentKeys = 2048;
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
