@@ -108,15 +108,16 @@ def test_varlen_matches_sm80(monkeypatch, causal):
 # CTA per SM walks couples of query blocks (the heaviest causal block with the lightest), so this shape gives every
 # CTA several, the last block of each sequence partial, and keys that are not a multiple of the 128-key block; the
 # causal case has an odd block count (7: the middle couple is one block) and keys past its rows (bottom-right
-# diagonal). Compared with the mma.sync kernel. Learned sinks and T5's relative bias ride along (per tile: its
-# head's sink and table rows).
+# diagonal). d64 full attention is persistent up to 1k keys only. Compared with the mma.sync kernel. Learned sinks
+# and T5's relative bias ride along (per tile: its head's sink and table rows).
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("feature", ["", "sinks", "rel_bias"])
-def test_persistent_tiles(monkeypatch, dtype, causal, feature):
-    rows = 850 if causal else 1000  # 7 or 8 tiles of 128 rows, the last of 82 or 104
-    q = randn(8, rows, 16, 128, dtype=dtype)  # 8 x 16 x 4 couples
-    k, v = randn(8, 1900, 4, 128, dtype=dtype), randn(8, 1900, 4, 128, dtype=dtype)
+def test_persistent_tiles(monkeypatch, dtype, d, causal, feature):
+    rows, keys = 850 if causal else 1000, 1000 if d == 64 else 1900  # 7 or 8 tiles of 128 rows, the last partial
+    q = randn(8, rows, 16, d, dtype=dtype)  # 8 x 16 x 4 couples
+    k, v = randn(8, keys, 4, d, dtype=dtype), randn(8, keys, 4, d, dtype=dtype)
     extra = {"sinks": {"learnable_sink": torch.randn(16, device="cuda")},
              "rel_bias": {"rel_bias": torch.randn(16, 2 * 128 + 1, device="cuda")}}.get(feature, {})
     call = lambda: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **extra)[:2]  # noqa: E731

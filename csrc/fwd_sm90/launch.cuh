@@ -57,24 +57,26 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 
 // d64 runs 192-row CTAs (three consumer warpgroups) except causal attention over at most 1k query rows, where
 // the coarser blocks cover more of the masked triangle: same-process A/B against 128-row CTAs, 0.92x at causal
-// 1k and 1.03-1.13x at causal 2k / 16k and non-causal 1k / 16k (docs/design/forward-sm90.md).
+// 1k and 1.03-1.13x at causal 2k / 16k and non-causal 1k / 16k (docs/design/forward-sm90.md). The persistent
+// two-consumer CTAs below take d64 causal up to 2k keys and full attention up to 1k: against the 192-row CTAs
+// causal 2k 1.02x, full 1k 1.04x, full 2k 0.92x.
 // Full and causal attention over dense tensors with up to kPersistentKeys keys runs persistent CTAs (two
 // consumers): a tile of few key blocks would otherwise wait for its Q and first K / V with nothing to overlap them.
 // Causal tiles go in couples of equal work (sm90/schedule.cuh); dealt one by one round-robin they lost 1-6%.
 // Same-process A/B: d128 full 1k / 2k 1.08x / 1.05x, causal 1k / 2k 1.14x / 1.08x, Llama 8 x 1024 1.18x, d64
 // causal 1k 1.14x (docs/design/forward-sm90.md). Windowed, packed and KV-cache rows keep one CTA a tile. Three
 // consumers of 160 registers spill 244 bytes with the tile loop.
-constexpr int kPersistentKeys = 2048;
+constexpr int kPersistentKeys = 2048, kPersistentKeysD64Full = 1024;
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
-  if constexpr (kHeadDim == 64) {
-    const bool causal = p.window_right == 0;
-    if (!causal || p.seqlen_q > 1024) return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, 64, 3>>(p, stream);
-  }
   // Tiles whose work is equal (full attention) or falls linearly with the query block (causal): couples balance.
+  const bool causal = p.window_right == 0;
   const bool linear_work = p.window_left < 0 && p.window_right <= 0 && !p.cu_seqlens_q && !p.seqused_k;
-  if (linear_work && p.seqlen_k <= kPersistentKeys) {
+  if (linear_work && p.seqlen_k <= (kHeadDim == 64 && !causal ? kPersistentKeysD64Full : kPersistentKeys)) {
     return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true>>(p, stream);
+  }
+  if constexpr (kHeadDim == 64) {
+    if (!causal || p.seqlen_q > 1024) return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, 64, 3>>(p, stream);
   }
   return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2>>(p, stream);
 }
