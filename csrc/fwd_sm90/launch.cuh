@@ -25,7 +25,7 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   const int64_t tiles = int64_t(m_blocks) * p.h * p.b, couples = int64_t((m_blocks + 1) / 2) * p.h * p.b;
   const unsigned grid = unsigned(Tr::kPersistent ? std::min<int64_t>(couples, p.num_sms) : tiles);
   // Every tile streams its pair's K / V, so a section holds at most 8 MiB of them: d128 causal 16k (8 MiB a pair)
-  // measured 0.95x / 0.98x with 3 / 2 pairs a section, Llama 2 x 4096 (2 MiB) 1.05-1.11x with 8-9.
+  // measured 0.94-0.96x / 0.98x with 3 / 2 pairs a section, Llama 2 x 4096 (2 MiB) 1.04-1.11x with 8-9.
   const int group = Tr::kPersistent ? 1
                                     : sm90::section_group(p.window_right == 0, p.h * p.b, m_blocks, p.num_sms,
                                                           int64_t(p.seqlen_k) * p.d * 2 * 2, int64_t(8) << 20);
