@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::mbar_wait(k_full(stage_of(it)), phase_of(it));
       sm90::fence();
       const uint64_t k_desc = sm90::desc(sK(stage_of(it)), 16);
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
         sm90::mma_ss<128, Tr::kIsBf16, 0, 0>(s[0], sm90::k_major_step<kBlockM>(q_desc, kk),
                                          sm90::k_major_step<kBlockN>(k_desc, kk), kk > 0);
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::mbar_wait(v_full(stage_of(it)), phase_of(it));
       sm90::fence();
       const uint64_t v_desc = sm90::desc(sV(stage_of(it)), kBlockN * 128);
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         sm90::mma_rs<kHeadDim, Tr::kIsBf16, 1>(o[0], p_frag[0][kk], v_desc + ((kk * 16 * 128) >> 4), true);
       }
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     float* lse = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + q_start;
     const float* sink = p.sinks ? p.sinks + head : nullptr;
     float inv[2];
-  #pragma unroll
+#pragma unroll
     for (int half = 0; half < 2; ++half) {
       const fwd::RowNorm n = fwd::row_norm(row_max[0][half] * scale_log2, tile::quad_sum(row_sum[0][half]), sink);
       inv[half] = n.inv;

@@ -22,12 +22,13 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if (m_blocks == 0 || p.b == 0) return cudaSuccess;
   // One CTA a tile: sections of (head, batch) pairs, longest causal tiles first; persistent: one CTA an SM over
   // couples of tiles (sm90/schedule.cuh). A pair's tiles share its K and V.
-  const int64_t tiles = int64_t(m_blocks) * p.h * p.b, couples = int64_t((m_blocks + 1) / 2) * p.h * p.b;
+  const int64_t pairs = int64_t(p.h) * p.b, tiles = m_blocks * pairs;
+  const int64_t couples = sm90::FoldedTiles(m_blocks).couples * pairs;
   const unsigned grid = unsigned(Tr::kPersistent ? std::min<int64_t>(couples, p.num_sms) : tiles);
   // Every tile streams its pair's K / V, so a section holds at most 8 MiB of them: d128 causal 16k (8 MiB a pair)
   // measured 0.94-0.96x / 0.98x with 3 / 2 pairs a section, Llama 2 x 4096 (2 MiB) 1.04-1.11x with 8-9.
   const int group = Tr::kPersistent ? 1
-                                    : sm90::section_group(p.window_right == 0, p.h * p.b, m_blocks, p.num_sms,
+                                    : sm90::section_group(p.window_right == 0, int(pairs), m_blocks, p.num_sms,
                                                           int64_t(p.seqlen_k) * p.d * 2 * 2, int64_t(8) << 20);
 
   // Maps over (d, heads, rows, batch); a varlen tensor is one batch of its total rows.

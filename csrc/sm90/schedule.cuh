@@ -27,7 +27,7 @@ __device__ __forceinline__ SectionTile section_tile(int pairs, int blocks, int g
 // Folded tile u: couple u / 2, half u % 2; block -1 is the missing half of an odd count's middle couple.
 struct FoldedTiles {
   int blocks, couples;  // couples per pair
-  __device__ __forceinline__ FoldedTiles(int blocks_) : blocks(blocks_), couples((blocks_ + 1) / 2) {}
+  __host__ __device__ __forceinline__ FoldedTiles(int blocks_) : blocks(blocks_), couples((blocks_ + 1) / 2) {}
   __device__ __forceinline__ int first() const { return 2 * blockIdx.x; }
   __device__ __forceinline__ int next(int u) const { return u % 2 ? u - 1 + 2 * gridDim.x : u + 1; }
   __device__ __forceinline__ SectionTile at(int u) const {
