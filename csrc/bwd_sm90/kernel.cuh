@@ -6,16 +6,17 @@
 // One CTA (3 warpgroups) per (block of 128 keys, kv head, batch); K, V resident in smem, loop over the query
 // heads of the GQA group and their query blocks:
 //   producer  (24 registers): warp 0, lane 0 issues TMA loads of K, V once (kv_full) and of Q, dO per
-//             (query head, query block) into a 2-stage ring; its 32 lanes copy that block's LSE and D rows
-//             (0 past the sequence) into the stage with cp.async. A stage's "full" mbarrier completes with the
-//             TMA bytes and the 32 lanes' cp.async arrivals, its "empty" one with the 256 consumer threads'
-//             arrivals once their last wgmma on it has retired. Warp 1, one lane: adds the dQ tile to the fp32
+//             (query head, query block) into a 2-stage ring; its 32 lanes store that block's LSE and D rows
+//             (0 past the sequence) into the stage, scaled as the pointwise code takes them. A stage's "full"
+//             mbarrier completes with the TMA bytes and the 32 lanes' arrivals, its "empty" one with the 256
+//             consumer threads' arrivals once their last wgmma on it has retired. Warp 1, one lane: adds the dQ tile to the fp32
 //             accumulator with kD / 32 TMA reductions
 //             (cp.reduce.async.bulk.tensor) once its dq_full mbarrier completes, then releases it (dq_empty).
 //   consumers (240 registers): warpgroup w owns keys 64w..64w+63. Per query block of kBlockM rows (d128 64,
 //   d64 128):
 //     S^T = K Q^T, dP^T = V dO^T             wgmma, both operands from smem
-//     P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T - D) scale     in registers, branch-free
+//     P^T = exp2(S^T scale log2e - LSE log2e), dS^T = P^T (dP^T - D) scale     in registers, branch-free; the
+//                                            mask only in the tiles that need one (a compile-time variant)
 //     dV += P^T dO, dK += dS^T Q             wgmma, P^T / dS^T as register A operands, dO / Q MN-major
 //     dQ = dS K                              wgmma from dS^T stored to smem, stored as an fp32 tile for the
 //                                            producer's reduction: both warpgroups' halves of dS^T form one
@@ -194,6 +195,17 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
 #pragma unroll 1
     for (int it = 0; it < iters; ++it) {
       const int st = int(unsigned(it) % kStages), m0 = q_block(mi) * kBlockM;  // it >= 0: no sign fix-up
+      // This block's LSE and D rows, loaded before the stage is free (rows past the end read as 0; they are masked).
+      const float* lse = p.lse + (p.cu_seqlens_q ? head * p.lse_head_stride + seq.q0
+                                                 : b * p.lse_batch_stride + head * p.lse_head_stride);
+      const float* d = dsum + int64_t(head) * p.total_q + seq.ws0;
+      float lse_r[kBlockM / 32], d_r[kBlockM / 32];
+#pragma unroll
+      for (int i = 0; i < kBlockM / 32; ++i) {
+        const int r = m0 + lane + 32 * i;
+        lse_r[i] = r < seq.sq ? lse[r] : 0.f;
+        d_r[i] = r < seq.sq ? d[r] : 0.f;
+      }
       if (it >= kStages) sm90::mbar_wait(empty(st), (it / kStages - 1) & 1);
       if (lane == 0) {
         sm90::mbar_expect_tx(full(st), 2 * kQBytes);
@@ -203,22 +215,17 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
                             tma_b);
         }
       }
-      const float* lse = p.lse + (p.cu_seqlens_q ? head * p.lse_head_stride + seq.q0
-                                                 : b * p.lse_batch_stride + head * p.lse_head_stride);
-      const float* d = dsum + int64_t(head) * p.total_q + seq.ws0;
+      // Stored scaled as the pointwise code takes them (LSE in log2 units, D times the softmax scale), so the
+      // consumers do not rescale them every block (1 multiply per element pair of their tiles).
 #pragma unroll
-      for (int i = 0; i < kBlockM / 32; ++i) {  // rows past the end read as 0; they are masked
-        const int r = lane + 32 * i;
-        const bool ok = m0 + r < seq.sq;
-        const int src = ok ? m0 + r : 0;
-        bwd::cp_async4(tile::smem_u32(s_lse + st * kBlockM + r), lse + src, ok);
-        bwd::cp_async4(tile::smem_u32(s_dsum + st * kBlockM + r), d + src, ok);
+      for (int i = 0; i < kBlockM / 32; ++i) {
+        s_lse[st * kBlockM + lane + 32 * i] = lse_r[i] * bwd::kLog2e;
+        s_dsum[st * kBlockM + lane + 32 * i] = d_r[i] * p.softmax_scale;
       }
-      sm90::cp_async_mbar_arrive(full(st));  // asynchronous: no registers held for the copies in flight
+      sm90::mbar_arrive(full(st));  // release: the stores above are visible to the consumers' wait
       mi = mi + 1 < kb.m_count ? mi + 1 : 0;
       head += mi == 0;
     }
-    tile::cp_async_wait<0>();  // no copy of this thread in flight when it exits
     return;
   }
 
@@ -243,8 +250,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
   int head = hk * groups, mi = 0;  // of iteration it
   sm90::mbar_wait(kv_full, 0);     // also: no TMA lands after the CTA (iters == 0)
 
-  for (int it = 0; it < iters; ++it) {
-    const int st = int(unsigned(it) % kStages), m0 = q_block(mi) * kBlockM;  // it >= 0: no sign fix-up
+  // One (query head, query block) of the walk. `masked` (compile-time): some (key, row) pair of the tile is not
+  // visible, so P^T goes through the mask; the tiles inside every mask, most of them, take the instance without
+  // the mask code (a third of the pointwise instructions).
+  auto step = [&](int it, int m0, auto masked) {
+    const int st = int(unsigned(it) % kStages);  // it >= 0: no sign fix-up
     const uint32_t q_s = sQ(st), do_s = sDO(st);
     const uint32_t dst = base + Tr::kDSt + it % Tr::kDStBuffers * Tr::kDStBytes;  // dS^T tile
     const float* lse_st = s_lse + st * kBlockM;
@@ -287,17 +297,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     // Per element (j, r) of this thread's tile: P^T from S^T (masked) with the row's LSE in log2 units, dS^T from P^T
     // and dP^T with the row's D scaled; per column group j: the fragments (pa, dsa) and the dS^T tile stores.
     auto lse2_of = [&](int j) {
-      float2 l2 = *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t);
-      // (kernel.cuh scales in shared memory: same products)
-      return make_float2(l2.x * bwd::kLog2e, l2.y * bwd::kLog2e);
+      return *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t);  // scaled by the producer
     };
-    auto dsum_of = [&](int j) {
-      float2 dsc = *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t);
-      return make_float2(dsc.x * p.softmax_scale, dsc.y * p.softmax_scale);
-    };
+    auto dsum_of = [&](int j) { return *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t); };
     auto prob = [&](int j, int r, float lse2) {
       const int c = 8 * j + r % 2;
       const float e = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -lse2));
+      if constexpr (!decltype(masked)::value) return e;
       return (c - 8 * (r / 2) >= first) & (c < last[r / 2]) ? e : 0.f;
     };
     auto grad_logit = [&](int j, int r, float2 dsc) {
@@ -434,6 +440,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       rel.flush(p, head, tid, Tr::kConsumerThreads);
       sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);  // zeroed before the next head's adds
     }
+  };
+  for (int it = 0; it < iters; ++it) {
+    const int m0 = q_block(mi) * kBlockM;
+    if (w.covers(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1)) step(it, m0, std::false_type{});
+    else step(it, m0, std::true_type{});
     mi = mi + 1 < kb.m_count ? mi + 1 : 0;
     head += mi == 0;
   }
