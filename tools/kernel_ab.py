@@ -1,7 +1,7 @@
 """Timings of the build on PYTHONPATH next to SDPA cuDNN (GQA through enable_gqa, as transformers calls it),
 backward (default) or forward, in one process; prints CSV lines TAG,case,backend,ms,tflops (tools/kernel_ab.sh
 compares builds; PASS=fwd there times the forward). AB_DET=1 also times the backward with deterministic=True
-(backend "det").
+(backend "det"); AB_CASES picks cases by name.
 
     python tools/kernel_ab.py TAG [bwd|fwd]
 """
@@ -31,6 +31,9 @@ CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384
          ("d64 full 16k", 1, 16384, 32, 32, 64, False)]
 
 tag, mode = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bwd"
+# AB_CASES="d64,llama 8x1024": only the cases whose name contains one of these (a short call for a narrow change).
+if os.environ.get("AB_CASES"):
+    CASES = [c for c in CASES if any(x.strip() in c[0] for x in os.environ["AB_CASES"].split(","))]
 
 
 def case(b, s, h, hk, d, causal):

@@ -3,7 +3,10 @@
 # VARIANTS (.wt/<name>, e.g. `git worktree add .wt/base main`; carry them), runs the bwd tests on "new", then
 # ROUNDS (3) alternating rounds of tools/kernel_ab.py per build (cuDNN timed in every process) and prints the
 # median of each: ms, new / variant, cuDNN / new, the widest round-to-round spread ((max - min) / median) of the
-# row; AB_DET=1 adds each build's deterministic backward (speed / its default: "<build> det").   VARIANTS="base" bash tools/kernel_ab.sh
+# row; AB_DET=1 adds each build's deterministic backward (speed / its default: "<build> det"). "÷cuDNN": the median
+# over rounds of new / variant with each process's time divided by its own cuDNN time (clock drift between
+# processes, up to 20% on some cards at 16k, cancels). AB_CASES="d64,llama" runs the cases named so.
+#   VARIANTS="base" bash tools/kernel_ab.sh
 # PASS=fwd times the forward instead (and runs the forward kernel tests), PASS="bwd fwd" both from the same builds
 # (ab_bwd.csv, ab_fwd.csv); HF_FLASH_DISABLE_SM90=1 times the mma.sync kernels.
 set -o pipefail
@@ -52,14 +55,24 @@ builds = ["new", *sys.argv[2:]]
 dets = [x + " det" for x in builds if any(k[1] == x + " det" for k in t)]
 med = lambda case, x: statistics.median(t[(case, x)])
 cols = builds + dets + ["cudnn"]
+# each process times cuDNN after every build's case: that build's own cuDNN times, in process order
+own = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    tag, case, backend, ms, _ = line.strip().split(",")
+    own[(case, tag, backend)].append(float(ms))
+def normed(case, x):  # median over rounds of (x / its cuDNN) / (new / its cuDNN)
+    r = [(a / ca) / (n / cn) for a, ca, n, cn in zip(own[(case, x, "hf_flash")], own[(case, x, "cudnn")],
+                                                       own[(case, "new", "hf_flash")], own[(case, "new", "cudnn")])]
+    return statistics.median(r) if r else float("nan")
 print(f"{'case':18} " + " ".join(f"{x:>9}" for x in cols) + " "
-      + " ".join(f"{'new/' + x:>9}" for x in builds[1:]) + " " + " ".join(f"{x + '/':>10}" for x in dets)
-      + "  cudnn/new  spread")
+      + " ".join(f"{'new/' + x:>9}" for x in builds[1:]) + " " + " ".join(f"{'÷cuDNN':>9}" for x in builds[1:])
+      + " " + " ".join(f"{x + '/':>10}" for x in dets) + "  cudnn/new  spread")
 for case in dict.fromkeys(c for c, _ in t):
     ms = {x: med(case, x) for x in cols}
     spread = max((max(t[(case, x)]) - min(t[(case, x)])) / ms[x] for x in cols)
     print(f"{case:18} " + " ".join(f"{ms[x]:9.3f}" for x in cols) + " "
           + " ".join(f"{ms[x] / ms['new']:9.3f}" for x in builds[1:]) + " "
+          + " ".join(f"{normed(case, x):9.3f}" for x in builds[1:]) + " "
           + " ".join(f"{ms[x[:-4]] / ms[x]:10.3f}" for x in dets) + f"  {ms['cudnn'] / ms['new']:9.3f}  {spread:5.1%}")
 PY
 done
