@@ -109,6 +109,33 @@ def test_interleaved_train_takes_turns(monkeypatch):
     assert steps == ["hf_flash"] * (warm + 1) + ["sdpa"] * (warm + 1) + ["sdpa"] * (warm + 1) + ["hf_flash"] * (warm + 1)
 
 
+def test_no_attention_bound_trains_and_is_never_the_best_other():
+    """The e2e bound: a model whose attention layers return V trains (gradients reach the layers through V), and
+    the summary ranks hf_flash against real backends only, printing the bound as the ceiling."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_flash.bench import e2e, generate
+
+    e2e.register_no_attention()
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=generate.NO_ATTENTION)
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model.model.layers[0].self_attn.v_proj.weight.grad.abs().sum() > 0
+    q = torch.randn(2, 4, 8, 16)
+    v = torch.randn(2, 2, 8, 16)
+    out, weights = e2e.no_attention(None, q, v, v, None)
+    assert weights is None and out.shape == (2, 8, 4, 16)
+    torch.testing.assert_close(out[:, :, 1], v[:, 0])  # query heads 0, 1 read kv head 0, heads 2, 3 kv head 1
+    torch.testing.assert_close(out[:, :, 3], v[:, 1])
+    rows = [generate.Row("train", "tiny", "hf_flash", 100.0, 1.0), generate.Row("train", "tiny", "sdpa", 80.0, 1.0),
+            generate.Row("train", "tiny", generate.NO_ATTENTION, 120.0, 1.0)]
+    text = generate.summary(rows)
+    assert "hf_flash 1.25x the best other (sdpa)" in text
+    assert "without attention 1.50x the best other" in text
+
+
 # ---- argument parsing, the results file, the timing helpers ----
 
 def test_every_subcommand_parses_with_its_defaults():

@@ -1,6 +1,8 @@
 """Whole models: training tokens/s and peak memory, generation tokens/s, for hf_flash against sdpa,
 flash_attention_4 (transformers' FlashAttention-4 backend, whenever ``flash_attn.cute`` imports),
-flex_attention and eager in the same run.
+flex_attention and eager in the same run. ``--backends ...,no-attention`` adds the bound: the same model with
+every attention layer returning V (its heads repeated over the query groups), a step with all other work and no
+attention, so "without attention / the best other" is the most any attention kernel could gain on that row.
 
 Models (``generate.MODELS``, random init, bf16, AdamW): the Llama-style one of the generation benchmark
 (8 layers, hidden 2048, 16 query / 8 KV heads) and a SmolLM2-135M-shaped one (30 layers, hidden 576, 9 / 3
@@ -23,7 +25,7 @@ import os
 import torch
 
 from . import generate, results
-from .generate import Row, build_model, error_row, plot, summary, take_turns, timed, with_fa4
+from .generate import NO_ATTENTION, Row, build_model, error_row, plot, summary, take_turns, timed, with_fa4
 from .kernels import write_csv
 from .timing import median_spread, rotated
 
@@ -40,7 +42,7 @@ WARMUP_STEPS = 3
 def add_arguments(parser) -> None:
     parser.add_argument("--backends", default=None,
                         help=f"comma list; default {','.join(BACKENDS)} and {generate.FA4} when FlashAttention-4 "
-                             "imports")
+                             f"imports; {NO_ATTENTION} adds the bound without attention (training rows)")
     parser.add_argument("--rows", default=",".join(TRAIN_SHAPES),
                         help=f"comma list of training rows: {', '.join(TRAIN_SHAPES)}")
     parser.add_argument("--layers", type=int, default=8, help="depth of the Llama model (the SmolLM2 shape keeps 30)")
@@ -90,6 +92,21 @@ def _trainer(backend: str, shape: str, layers: int):
         step()
     tensors = [*model.parameters(), *(t for state in optimizer.state.values() for t in state.values())]
     return step, sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t) and t.is_cuda)
+
+
+def no_attention(module, query, key, value, attention_mask, **kwargs):
+    """The bound's "attention" (transformers' AttentionInterface signature): V for every query head of its group,
+    laid out as attention outputs are, (batch, seqlen, heads, d); the gradients reach V and so every layer."""
+    groups = query.shape[1] // value.shape[1]
+    return value.repeat_interleave(groups, dim=1).transpose(1, 2).contiguous(), None
+
+
+def register_no_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(NO_ATTENTION, no_attention)
+    AttentionMaskInterface.register(NO_ATTENTION, flash_attention_mask)  # no mask built, as for a flash kernel
 
 
 def _free() -> None:
@@ -158,6 +175,8 @@ def run(args) -> None:
 
     backends = ([b.strip() for b in args.backends.split(",") if b.strip()] if args.backends
                 else list(with_fa4(BACKENDS)))
+    if NO_ATTENTION in backends:
+        register_no_attention()
     shapes = [s.strip() for s in args.rows.split(",") if s.strip()]
     unknown = set(shapes) - set(TRAIN_SHAPES)
     if unknown:
@@ -179,7 +198,7 @@ def run(args) -> None:
                 case_rows = measure_train(eligible, shape, args.layers, args.rounds, args.steps, resident=False)
             rows += case_rows
         else:
-            rows += generate.measure_interleaved(backends, shape, args.layers)
+            rows += generate.measure_interleaved([b for b in backends if b != NO_ATTENTION], shape, args.layers)
         write_csv(rows, args.out, "e2e.csv")  # after every case: a cut-off run keeps what it measured
     plot(rows, os.path.join(args.out, "e2e.png"))
     results.record(args, "e2e", generate.to_results(rows))

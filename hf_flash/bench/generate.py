@@ -36,6 +36,9 @@ from .timing import rotated
 
 BACKENDS = ("hf_flash", "sdpa", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math", "eager", "flex_attention")
 FA4 = "flash_attention_4"  # transformers' name for FlashAttention-4
+# Not a backend: the layers' attention replaced by V itself (bench e2e), the most any attention kernel could
+# gain in a step. Never the "best other".
+NO_ATTENTION = "no-attention"
 # The benchmark models (random init, bf16): config fields; "layers" is the default depth (llama: --layers).
 MODELS = {"llama": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
                     "num_key_value_heads": 8, "layers": 8},
@@ -264,11 +267,15 @@ def summary(rows: list[Row]) -> str:
         lines.append(f"{r.task:17} {r.shape:8} {r.backend:15} {r.tokens_per_s:8.0f} {r.prefill_ms:10.1f} "
                      f"{r.peak_gib:8.1f} {ratio}" + (f"  ({r.error})" if r.error else ""))
     for (task, shape), tokens in ours.items():
-        others = [r for r in rows if (r.task, r.shape) == (task, shape) and r.backend != "hf_flash"
+        others = [r for r in rows if (r.task, r.shape) == (task, shape) and r.backend not in ("hf_flash", NO_ATTENTION)
                   and r.tokens_per_s > 0]
         if others:
             best = max(others, key=lambda r: r.tokens_per_s)
             lines.append(f"{task} {shape}: hf_flash {tokens / best.tokens_per_s:.2f}x the best other ({best.backend})")
+            bound = [r for r in rows if (r.task, r.shape, r.backend) == (task, shape, NO_ATTENTION) and r.tokens_per_s > 0]
+            if bound:
+                lines.append(f"{task} {shape}: without attention {bound[0].tokens_per_s / best.tokens_per_s:.2f}x the best "
+                             "other: the most any attention kernel could reach here")
     for (task, shape), ms in prefill.items():
         others = [r for r in rows if (r.task, r.shape) == (task, shape) and r.backend != "hf_flash"
                   and r.prefill_ms > 0]
