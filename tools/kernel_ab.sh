@@ -47,19 +47,18 @@ for pass in $PASS; do
   echo "== $pass"
   python3 - "$OUT/ab_$pass.csv" $VARIANTS <<'PY'
 import collections, statistics, sys
-t = collections.defaultdict(list)
-for line in open(sys.argv[1]):
-    tag, case, backend, ms, _ = line.strip().split(",")
-    t[(case, {"hf_flash": tag, "det": tag + " det"}.get(backend, backend))].append(float(ms))
-builds = ["new", *sys.argv[2:]]
-dets = [x + " det" for x in builds if any(k[1] == x + " det" for k in t)]
-med = lambda case, x: statistics.median(t[(case, x)])
-cols = builds + dets + ["cudnn"]
-# each process times cuDNN after every build's case: that build's own cuDNN times, in process order
+# (case, build, backend) -> its times in process order; each process times cuDNN after its build's case
 own = collections.defaultdict(list)
 for line in open(sys.argv[1]):
     tag, case, backend, ms, _ = line.strip().split(",")
     own[(case, tag, backend)].append(float(ms))
+t = collections.defaultdict(list)  # (case, column): a build, "<build> det" or cudnn (every process's)
+for (case, tag, backend), times in own.items():
+    t[(case, {"hf_flash": tag, "det": tag + " det"}.get(backend, backend))] += times
+builds = ["new", *sys.argv[2:]]
+dets = [x + " det" for x in builds if any(k[1] == x + " det" for k in t)]
+med = lambda case, x: statistics.median(t[(case, x)])
+cols = builds + dets + ["cudnn"]
 def normed(case, x):  # median over rounds of (x / its cuDNN) / (new / its cuDNN)
     r = [(a / ca) / (n / cn) for a, ca, n, cn in zip(own[(case, x, "hf_flash")], own[(case, x, "cudnn")],
                                                        own[(case, "new", "hf_flash")], own[(case, "new", "cudnn")])]

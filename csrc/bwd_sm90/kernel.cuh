@@ -9,9 +9,9 @@
 //             (query head, query block) into a 2-stage ring; its 32 lanes store that block's LSE and D rows
 //             (0 past the sequence) into the stage, scaled as the pointwise code takes them. A stage's "full"
 //             mbarrier completes with the TMA bytes and the 32 lanes' arrivals, its "empty" one with the 256
-//             consumer threads' arrivals once their last wgmma on it has retired. Warp 1, one lane: adds the dQ tile to the fp32
-//             accumulator with kD / 32 TMA reductions
-//             (cp.reduce.async.bulk.tensor) once its dq_full mbarrier completes, then releases it (dq_empty).
+//             consumer threads' arrivals once their last wgmma on it has retired. Warp 1, one lane: adds the dQ
+//             tile to the fp32 accumulator with kD / 32 TMA reductions (cp.reduce.async.bulk.tensor) once its
+//             dq_full mbarrier completes, then releases it (dq_empty).
 //   consumers (240 registers): warpgroup w owns keys 64w..64w+63. Per query block of kBlockM rows (d128 64,
 //   d64 128):
 //     S^T = K Q^T, dP^T = V dO^T             wgmma, both operands from smem
