@@ -279,6 +279,20 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     gemm_keys(sK, q_s, s);
     gemm_keys(sV, do_s, dp);
 
+    // The rows' LSE / D in registers while the wgmmas run (loaded after the wait, each row group's first FFMA
+    // waited for its load: 18% of the d128 warps' stall samples, ncu). d128 holds all of them; d64 (one pass over
+    // 128 rows) has room for the first kPrefetch groups, and ptxas schedules the rest's loads under the pass.
+    constexpr int kPrefetch = Tr::kOnePass ? 2 : kBlockM / 8;
+    float2 lse2_pre[kPrefetch], dsum_pre[kPrefetch] = {};  // (d128 sets dsum_pre after dV's issue)
+    auto lse2_load = [&](int j) { return *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t); };
+    auto dsum_load = [&](int j) { return *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t); };
+#pragma unroll
+    for (int j = 0; j < kPrefetch; ++j) lse2_pre[j] = lse2_load(j);
+    if constexpr (Tr::kOnePass) {
+#pragma unroll
+      for (int j = 0; j < kPrefetch; ++j) dsum_pre[j] = dsum_load(j);
+    }
+
     // P^T (masked: causal diagonal, window edges, sequence ends) into the A fragments of dV += P^T dO.
     sm90::wait<1>();
     sm90::fence_operand(s);
@@ -296,10 +310,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];  // A fragments of dV and dK
     // Per element (j, r) of this thread's tile: P^T from S^T (masked) with the row's LSE in log2 units, dS^T from P^T
     // and dP^T with the row's D scaled; per column group j: the fragments (pa, dsa) and the dS^T tile stores.
-    auto lse2_of = [&](int j) {
-      return *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t);  // scaled by the producer
-    };
-    auto dsum_of = [&](int j) { return *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t); };
+    // (scaled by the producer)
+    auto lse2_of = [&](int j) { return j < kPrefetch ? lse2_pre[j] : lse2_load(j); };
+    auto dsum_of = [&](int j) { return j < kPrefetch ? dsum_pre[j] : dsum_load(j); };
     auto prob = [&](int j, int r, float lse2) {
       const int c = 8 * j + r % 2;
       const float e = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -lse2));
@@ -313,17 +326,18 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
       pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
     };
-    // The dS^T tile: element pair (key row dst_row + 16 warp + g + 8 h2, query columns 8 j + 2t, + 1); its 16-byte
-    // chunk j % 8 of a panel sits at chunk (j % 8) ^ g, and panel_offset(kBlockN, kr, 2t) carries g in address bits
-    // 4..6, so one XOR reaches it (keeps ptxas from holding 8 swizzled offsets per row in registers).
+    // The dS^T tile, rows dst_row + 16 warp .. + 15 (keys), 16-byte chunks of 8 query columns: one stmatrix x4 per
+    // pair of column groups (2kk, 2kk + 1), whose registers dsa[kk] already are in its order (rows 0-7, 8-15) x
+    // (chunk 2kk, 2kk + 1). Lane 8q + r addresses row r + 8 (q % 2) of chunk 2kk + q / 2, swizzled by the row
+    // (r): with 2kk even, the chunk's XOR is (q / 2) ^ r per lane and (2kk % 8) per pair, one XOR a store.
+    const uint32_t ds_lane = dst + (dst_row + 16 * warp + lane / 8 % 2 * 8 + lane % 8) * 128 +
+                             (((lane / 16) ^ (lane % 8)) << 4);
     auto pack_store_ds = [&](int j, const float (&ds)[4]) {
 #pragma unroll
-      for (int h2 = 0; h2 < 2; ++h2) {
-        const uint32_t packed = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
-        dsa[j / 2][(j % 2) * 2 + h2] = packed;
-        const uint32_t row = dst + sm90::panel_offset(kBlockN, dst_row + 16 * warp + g + 8 * h2, 2 * t);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"((row ^ ((j % 8) << 4)) + (j / 8) * kBlockN * 128),
-                     "r"(packed));
+      for (int h2 = 0; h2 < 2; ++h2) dsa[j / 2][(j % 2) * 2 + h2] = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
+      if (j % 2 == 1) {
+        const int kk = j / 2;
+        tile::stmatrix_x4((ds_lane ^ ((2 * kk % 8) << 4)) + (2 * kk / 8) * kBlockN * 128, dsa[kk]);
       }
     };
     // dV += P^T dO: k16 steps are 16 query rows (2048 bytes) of the MN-major dO panels.
@@ -378,6 +392,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
         pack_p(j);
       }
       issue_dv();  // now, so that it runs under the dS^T arithmetic
+#pragma unroll
+      for (int j = 0; j < kPrefetch; ++j) dsum_pre[j] = dsum_load(j);  // under dP^T's wgmma
 
       // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q, the dS^T tile for dQ and the d rel_bias
       // sums.
