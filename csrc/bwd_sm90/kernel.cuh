@@ -261,6 +261,21 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     const float* dsum_st = s_dsum + st * kBlockM;
     sm90::mbar_wait(full(st), int(unsigned(it) / kStages) & 1);
 
+    // The rows' LSE / D (scaled by the producer) in registers before the Sᵀ wgmma is issued: loaded after it, behind
+    // its shared-memory reads, each row group's first FFMA waited for its load (11-18% of the d128 warps' stall
+    // samples, ncu). d128 holds all 8 row groups of LSE (its D loads go under dV's issue); d64 (one pass over 128
+    // rows) has room for the first kPrefetch groups of both, and ptxas schedules the rest's loads inside the pass.
+    constexpr int kPrefetch = Tr::kOnePass ? 2 : kBlockM / 8;
+    float2 lse2_pre[kPrefetch], dsum_pre[kPrefetch] = {};  // (d128 sets dsum_pre after dV's issue)
+    auto lse2_load = [&](int j) { return *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t); };
+    auto dsum_load = [&](int j) { return *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t); };
+#pragma unroll
+    for (int j = 0; j < kPrefetch; ++j) lse2_pre[j] = lse2_load(j);
+    if constexpr (Tr::kOnePass) {
+#pragma unroll
+      for (int j = 0; j < kPrefetch; ++j) dsum_pre[j] = dsum_load(j);
+    }
+
     // S^T = K Q^T and dP^T = V dO^T over d (this warpgroup's 64 key rows of K / V, all query rows of Q / dO),
     // K-major operands: k16 steps walk the 128-byte panel rows in 32 bytes; one commit group each.
     auto gemm_keys = [&](uint32_t sKeys, uint32_t sQueries, auto& acc) {
@@ -278,20 +293,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     sm90::fence();
     gemm_keys(sK, q_s, s);
     gemm_keys(sV, do_s, dp);
-
-    // The rows' LSE / D in registers while the wgmmas run (loaded after the wait, each row group's first FFMA
-    // waited for its load: 18% of the d128 warps' stall samples, ncu). d128 holds all of them; d64 (one pass over
-    // 128 rows) has room for the first kPrefetch groups, and ptxas schedules the rest's loads under the pass.
-    constexpr int kPrefetch = Tr::kOnePass ? 2 : kBlockM / 8;
-    float2 lse2_pre[kPrefetch], dsum_pre[kPrefetch] = {};  // (d128 sets dsum_pre after dV's issue)
-    auto lse2_load = [&](int j) { return *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t); };
-    auto dsum_load = [&](int j) { return *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t); };
-#pragma unroll
-    for (int j = 0; j < kPrefetch; ++j) lse2_pre[j] = lse2_load(j);
-    if constexpr (Tr::kOnePass) {
-#pragma unroll
-      for (int j = 0; j < kPrefetch; ++j) dsum_pre[j] = dsum_load(j);
-    }
 
     // P^T (masked: causal diagonal, window edges, sequence ends) into the A fragments of dV += P^T dO.
     sm90::wait<1>();
