@@ -6,6 +6,10 @@
 # row; AB_DET=1 adds each build's deterministic backward (speed / its default: "<build> det"). "÷cuDNN": the median
 # over rounds of new / variant with each process's time divided by its own cuDNN time (clock drift between
 # processes, up to 20% on some cards at 16k, cancels). AB_CASES="d64,llama" runs the cases named so.
+# Each pass also writes $OUT/rows_<pass>.csv in benchmarks/results.csv's columns (bench "kernel_ab <pass>": per
+# case and build the median ms of hf_flash, of its deterministic mode, and of cuDNN in that build's processes),
+# commit = the build's label from AB_LABELS ("new=7f76717+wip base=e86f799"; the device copy has no git), else
+# its name; append them to results.csv.
 #   VARIANTS="base" bash tools/kernel_ab.sh
 # PASS=fwd times the forward instead (and runs the forward kernel tests), PASS="bwd fwd" both from the same builds
 # (ab_bwd.csv, ab_fwd.csv); HF_FLASH_DISABLE_SM90=1 times the mma.sync kernels.
@@ -45,8 +49,8 @@ for pass in $PASS; do
   done
   stamp "a/b $pass done"
   echo "== $pass"
-  python3 - "$OUT/ab_$pass.csv" $VARIANTS <<'PY'
-import collections, statistics, sys
+  PYTHONPATH=$ROOT AB_PASS=$pass AB_ROWS="$OUT/rows_$pass.csv" python3 - "$OUT/ab_$pass.csv" $VARIANTS <<'PY'
+import collections, os, statistics, sys
 # (case, build, backend) -> its times in process order; each process times cuDNN after its build's case
 own = collections.defaultdict(list)
 for line in open(sys.argv[1]):
@@ -73,5 +77,17 @@ for case in dict.fromkeys(c for c, _ in t):
           + " ".join(f"{ms[x] / ms['new']:9.3f}" for x in builds[1:]) + " "
           + " ".join(f"{normed(case, x):9.3f}" for x in builds[1:]) + " "
           + " ".join(f"{ms[x[:-4]] / ms[x]:10.3f}" for x in dets) + f"  {ms['cudnn'] / ms['new']:9.3f}  {spread:5.1%}")
+from hf_flash.bench import results
+labels = dict(x.split("=", 1) for x in os.environ.get("AB_LABELS", "").split())
+env = results.environment()
+for tag in builds:
+    rows = []
+    for (case, t_, backend), times in own.items():
+        if t_ == tag:
+            m = statistics.median(times)
+            rows.append(results.Result(case, {"det": "hf_flash det"}.get(backend, backend), "ms", m, "ms",
+                                       max(times) - min(times)))
+    results.append(rows, f"kernel_ab {os.environ['AB_PASS']}", os.environ["AB_ROWS"],
+                   {**env, "commit": labels.get(tag, tag)})
 PY
 done
