@@ -311,7 +311,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];  // A fragments of dV and dK
     // Per element (j, r) of this thread's tile: P^T from S^T (masked) with the row's LSE in log2 units, dS^T from P^T
     // and dP^T with the row's D scaled; per column group j: the fragments (pa, dsa) and the dS^T tile stores.
-    // (scaled by the producer)
     auto lse2_of = [&](int j) { return j < kPrefetch ? lse2_pre[j] : lse2_load(j); };
     auto dsum_of = [&](int j) { return j < kPrefetch ? dsum_pre[j] : dsum_load(j); };
     auto prob = [&](int j, int r, float lse2) {
