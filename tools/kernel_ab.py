@@ -19,7 +19,9 @@ loaded, detail = ops.extension_status()  # builds or loads the kernels (import a
 if not loaded:
     sys.exit(f"kernel_ab: {detail}")
 
-# (name, batch, seqlen, heads, kv heads, head dim, causal): the e2e benchmark's Llama layer, then the paper grid.
+# (name, batch, seqlen, heads, kv heads, head dim, causal): the e2e benchmark's Llama layer, the paper grid, S = 512
+# (issue 16's short-sequence cells), then T5's shapes with and without its relative position bias ("bias": a
+# float32 (H, 2R + 1) table, R = 128 as in T5).
 CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384, 16, 8, 128, True),
          ("llama 8x1024", 8, 1024, 16, 8, 128, True),
          ("d128 causal 1k", 16, 1024, 16, 16, 128, True), ("d128 full 1k", 16, 1024, 16, 16, 128, False),
@@ -28,7 +30,12 @@ CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384
          ("d64 causal 1k", 16, 1024, 32, 32, 64, True), ("d64 full 1k", 16, 1024, 32, 32, 64, False),
          ("d64 full 2k", 8, 2048, 32, 32, 64, False),
          ("d64 causal 2k", 8, 2048, 32, 32, 64, True), ("d64 causal 16k", 1, 16384, 32, 32, 64, True),
-         ("d64 full 16k", 1, 16384, 32, 32, 64, False)]
+         ("d64 full 16k", 1, 16384, 32, 32, 64, False),
+         ("d128 causal 512", 32, 512, 16, 16, 128, True), ("d128 full 512", 32, 512, 16, 16, 128, False),
+         ("d64 causal 512", 32, 512, 32, 32, 64, True), ("d64 full 512", 32, 512, 32, 32, 64, False),
+         ("t5 enc 32x512", 32, 512, 12, 12, 64, False), ("t5 enc 32x512 bias", 32, 512, 12, 12, 64, False),
+         ("t5 dec 32x512", 32, 512, 12, 12, 64, True), ("t5 dec 32x512 bias", 32, 512, 12, 12, 64, True),
+         ("d128 dec 2x4096", 2, 4096, 32, 32, 128, True), ("d128 dec 2x4096 bias", 2, 4096, 32, 32, 128, True)]
 
 tag, mode = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bwd"
 # AB_CASES="d64,llama 8x1024": only the cases whose name contains one of these (a short call for a narrow change).
@@ -36,10 +43,11 @@ if os.environ.get("AB_CASES"):
     CASES = [c for c in CASES if any(x.strip() in c[0] for x in os.environ["AB_CASES"].split(","))]
 
 
-def case(b, s, h, hk, d, causal):
+def case(b, s, h, hk, d, causal, bias):
     """({backend: callable}, the inputs whose grads do_bench resets) for one case of the chosen pass."""
     q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    table = torch.randn(h, 2 * 128 + 1, device="cuda", requires_grad=True) if bias else None
     opts = (d**-0.5, causal, -1, 0 if causal else -1, 0.0, None, 0.0, None)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     if mode == "fwd":
@@ -47,15 +55,15 @@ def case(b, s, h, hk, d, causal):
             with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk)
 
-        return {"hf_flash": lambda: torch.ops.hf_flash.fwd(q, k, v, None, None, s, s, *opts, False),
+        return {"hf_flash": lambda: torch.ops.hf_flash.fwd(q, k, v, None, None, s, s, *opts, False, None, table),
                 "cudnn": cudnn}, [q, k, v]
     dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-    out, lse = torch.ops.hf_flash.fwd(q, k, v, None, None, s, s, *opts, False)
+    out, lse = torch.ops.hf_flash.fwd(q, k, v, None, None, s, s, *opts, False, None, table)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk)
 
     def bwd(det):
-        return lambda: torch.ops.hf_flash.bwd(dout, q, k, v, out, lse, None, None, s, s, *opts, det)
+        return lambda: torch.ops.hf_flash.bwd(dout, q, k, v, out, lse, None, None, s, s, *opts, det, None, table)
 
     fns = {"hf_flash": bwd(False), "cudnn": lambda: o.backward(dout.transpose(1, 2), retain_graph=True)}
     if os.environ.get("AB_DET") == "1":
@@ -65,7 +73,7 @@ def case(b, s, h, hk, d, causal):
 
 for name, b, s, h, hk, d, causal in CASES:
     flops = (2.5 if mode == "bwd" else 1.0) * 4 * b * s * s * h * d / (2 if causal else 1)
-    fns, inputs = case(b, s, h, hk, d, causal)
+    fns, inputs = case(b, s, h, hk, d, causal, name.endswith(" bias"))
     for backend, fn in fns.items():
         ms = triton.testing.do_bench(fn, warmup=100, rep=300, grad_to_none=inputs, return_mode="median")
         print(f"{tag},{name},{backend},{ms:.4f},{flops / ms * 1e-9:.1f}", flush=True)

@@ -263,17 +263,21 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
 
     // The rows' LSE / D (scaled by the producer) in registers before the Sᵀ wgmma is issued: loaded after it, behind
     // its shared-memory reads, each row group's first FFMA waited for its load (11-18% of the d128 warps' stall
-    // samples, ncu). d128 holds all 8 row groups of LSE (its D loads go under dV's issue); d64 (one pass over 128
-    // rows) has room for the first kPrefetch groups of both, and ptxas schedules the rest's loads inside the pass.
-    constexpr int kPrefetch = Tr::kOnePass ? 2 : kBlockM / 8;
-    float2 lse2_pre[kPrefetch], dsum_pre[kPrefetch] = {};  // (d128 sets dsum_pre after dV's issue)
+    // samples, ncu). Column group j (rows 8 j + 2 t, + 1) is needed by the 8 lanes of one t. d128 loads all 8 groups
+    // of LSE (its D loads go under dV's issue). d64 (16 groups, one pass) loads groups g and g + 8 of both and takes
+    // group j from lane 4 (j % 8) + t with shuffles (kShuffle): 8 lanes loading the same values made 268 M
+    // shared-memory wavefronts at full 16k, 18% of the kernel's (docs/design/backward-sm90.md). The d64 bias kernel
+    // has no registers for that (ptxas spilled 172 bytes): it loads its first 2 groups here, the rest in the pass.
+    constexpr bool kShuffle = Tr::kOnePass && !kRelBias;
+    constexpr int kLoaded = Tr::kOnePass ? 2 : kBlockM / 8;
+    float2 lse2_pre[kLoaded], dsum_pre[kLoaded] = {};  // (d128 sets dsum_pre after dV's issue)
     auto lse2_load = [&](int j) { return *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t); };
     auto dsum_load = [&](int j) { return *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t); };
 #pragma unroll
-    for (int j = 0; j < kPrefetch; ++j) lse2_pre[j] = lse2_load(j);
+    for (int i = 0; i < kLoaded; ++i) lse2_pre[i] = lse2_load(kShuffle ? g + 8 * i : i);
     if constexpr (Tr::kOnePass) {
 #pragma unroll
-      for (int j = 0; j < kPrefetch; ++j) dsum_pre[j] = dsum_load(j);
+      for (int i = 0; i < kLoaded; ++i) dsum_pre[i] = dsum_load(kShuffle ? g + 8 * i : i);
     }
 
     // S^T = K Q^T and dP^T = V dO^T over d (this warpgroup's 64 key rows of K / V, all query rows of Q / dO),
@@ -311,8 +315,18 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     uint32_t pa[kBlockM / 16][4], dsa[kBlockM / 16][4];  // A fragments of dV and dK
     // Per element (j, r) of this thread's tile: P^T from S^T (masked) with the row's LSE in log2 units, dS^T from P^T
     // and dP^T with the row's D scaled; per column group j: the fragments (pa, dsa) and the dS^T tile stores.
-    auto lse2_of = [&](int j) { return j < kPrefetch ? lse2_pre[j] : lse2_load(j); };
-    auto dsum_of = [&](int j) { return j < kPrefetch ? dsum_pre[j] : dsum_load(j); };
+    auto shuffled = [&](float2 v, int j) {  // group j, from the lane that loaded it
+      const int src = 4 * (j % 8) + t;
+      return make_float2(__shfl_sync(~0u, v.x, src), __shfl_sync(~0u, v.y, src));
+    };
+    auto lse2_of = [&](int j) {
+      if constexpr (kShuffle) return shuffled(lse2_pre[j / 8], j);
+      else return j < kLoaded ? lse2_pre[j] : lse2_load(j);
+    };
+    auto dsum_of = [&](int j) {
+      if constexpr (kShuffle) return shuffled(dsum_pre[j / 8], j);
+      else return j < kLoaded ? dsum_pre[j] : dsum_load(j);
+    };
     auto prob = [&](int j, int r, float lse2) {
       const int c = 8 * j + r % 2;
       const float e = tile::fast_exp2(fmaf(s[j][r], p.softmax_scale_log2, -lse2));
@@ -393,7 +407,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
       }
       issue_dv();  // now, so that it runs under the dS^T arithmetic
 #pragma unroll
-      for (int j = 0; j < kPrefetch; ++j) dsum_pre[j] = dsum_load(j);  // under dP^T's wgmma
+      for (int j = 0; j < kLoaded; ++j) dsum_pre[j] = dsum_load(j);  // under dP^T's wgmma
 
       // dS^T = P^T (dP^T - D) scale into the A fragments of dK += dS^T Q, the dS^T tile for dQ and the d rel_bias
       // sums.

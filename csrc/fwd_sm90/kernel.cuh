@@ -36,14 +36,17 @@ namespace fwd_sm90 {
 
 // kConsumers warpgroups of 64 query rows: 2, or 3 (192-row CTAs; d64 only, where their registers fit; the
 // launch picks, fwd_sm90/launch.cuh). kPersistent: one CTA per SM walks couples of tiles (sm90::FoldedTiles), its
-// producer loading a tile's Q into a second buffer under the tile before.
-template <bool kIsBf16_, int kHeadDim_, int kConsumers_ = 2, bool kPersistent_ = false>
+// producer loading a tile's Q into a second buffer under the tile before. kBias: which of the key-block walks the
+// kernel holds, without or with T5's relative bias, or both chosen at run time (fwd_sm90/launch.cuh says where).
+enum class Bias { kNone, kTable, kEither };
+template <bool kIsBf16_, int kHeadDim_, int kConsumers_ = 2, bool kPersistent_ = false, Bias kBias_ = Bias::kEither>
 struct FwdSm90Traits {
   static constexpr bool kIsBf16 = kIsBf16_;
   using T = typename tile::Elem<kIsBf16>::T;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumers = kConsumers_;
   static constexpr bool kPersistent = kPersistent_;
+  static constexpr Bias kBias = kBias_;
   static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64 && !kPersistent_), "instantiated shapes");
   static constexpr int kThreads = (kConsumers + 1) * 128;  // + the producer warpgroup
   static constexpr int kBlockM = kConsumers * 64;       // query rows per CTA
@@ -302,8 +305,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::mbar_arrive(v_empty(stage_of(steps - 1)));  // the next tile's loads reuse the stage
     };
     sm90::mbar_wait(q_full(buf), q_phase);
-    if (rb.table) walk(std::true_type{});
-    else walk(std::false_type{});
+    if constexpr (Tr::kBias == Bias::kEither) {
+      if (rb.table) walk(std::true_type{});
+      else walk(std::false_type{});
+    } else {
+      walk(std::bool_constant<Tr::kBias == Bias::kTable>{});
+    }
     kv_base += steps;
 
     // ---- epilogue: normalise, LSE; O through this warpgroup's rows of the Q tile (dead after its last S) ----
