@@ -1,8 +1,10 @@
 // hf_flash: the one parameter struct every kernel reads. Torch-free on purpose:
 // kernels compile with bare nvcc; csrc/binding.cpp fills these from tensors.
 #pragma once
-#include <cstdint>
 #include <cuda_runtime.h>
+
+#include <cstdint>
+#include <utility>
 
 namespace hf_flash {
 
@@ -206,6 +208,25 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
   if (bytes <= 48 * 1024) return cudaSuccess;
   if (bytes > smem_optin_bytes()) return cudaErrorLaunchOutOfResources;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+// Launches `kernel` as a programmatic dependent of the kernel before it in `stream` (Hopper): its CTAs may start
+// while that one finishes (their prologue under its tail, no launch gap); the kernel calls
+// tile::grid_dependency_wait before reading that kernel's results.
+template <class... Params, class... Args>
+cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
+                             Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 // Entry points. They validate nothing (the binding did) and return the CUDA launch status. run_fwd / run_bwd

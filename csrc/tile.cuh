@@ -163,5 +163,20 @@ __device__ __forceinline__ Philox4 dropout_block(uint64_t seed, int row, int key
   return philox(seed, uint32_t(key >> 4) * 8 + (key & 7), uint32_t(row >> 5) * 8 + (row & 7), batch_head, offset);
 }
 
+// Programmatic dependent launch (sm_90+; no-ops on older GPUs and when the kernel was launched without it,
+// launch_dependent in flash.h): a dependent kernel's CTAs may start while the kernel before it in the stream
+// finishes, and wait here before reading what that kernel wrote; a kernel lets its dependent start early by
+// calling grid_launch_dependents (once every CTA has called it or exited).
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 }  // namespace tile
 }  // namespace hf_flash

@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const BwdParams p, f
   using T = typename tile::Elem<kIsBf16>::T;
   constexpr int kLanes = dot_lanes(kHeadDim), kChunks = kHeadDim / 8 / kLanes;  // 16-byte chunks per lane
   static_assert(kLanes >= 4 && 32 % kLanes == 0 && kChunks * kLanes * 8 == kHeadDim, "lane groups");
+  tile::grid_launch_dependents();  // the Hopper backward may start: it waits for D before reading it
   const int64_t item = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / kLanes;
   const int lane = threadIdx.x % kLanes;
   const bool ok = item < int64_t(p.total_q) * p.h;
@@ -264,6 +265,7 @@ struct RelBiasGrad {
 template <bool kIsBf16, int kHeadDim>
 __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p, const float* __restrict__ acc,
                                                               size_t copy_floats, int copies) {
+  tile::grid_dependency_wait();  // launched as the Hopper backward's dependent: its additions are done
   const int64_t chunk = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (chunk >= int64_t(p.total_q) * p.h * (kHeadDim / 8)) return;
   const int c = int(chunk % (kHeadDim / 8)) * 8, head = int(chunk / (kHeadDim / 8) % p.h);
@@ -322,11 +324,14 @@ cudaError_t bwd_prologue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_
   return cudaSuccess;
 }
 
+// dependent: launched as the main kernel's programmatic dependent (the Hopper backward).
 template <bool kIsBf16, int kHeadDim>
-cudaError_t bwd_epilogue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
+cudaError_t bwd_epilogue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream, bool dependent = false) {
   const int64_t chunks = int64_t(p.total_q) * p.h * (kHeadDim / 8);
-  convert_dq_kernel<kIsBf16, kHeadDim><<<(chunks + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      p, ws.dq_acc, ws.dq_copy_floats, ws.copies);
+  const int grid = int((chunks + kThreads - 1) / kThreads);
+  auto kernel = &convert_dq_kernel<kIsBf16, kHeadDim>;
+  if (dependent) return launch_dependent(kernel, grid, kThreads, 0, stream, p, ws.dq_acc, ws.dq_copy_floats, ws.copies);
+  kernel<<<grid, kThreads, 0, stream>>>(p, ws.dq_acc, ws.dq_copy_floats, ws.copies);
   return cudaGetLastError();
 }
 

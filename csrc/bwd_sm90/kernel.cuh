@@ -151,6 +151,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     sm90::regs_dealloc<Tr::kProducerRegs>();
     const int tma_b = p.cu_seqlens_q ? 0 : b;
     if (threadIdx.x == 32) {
+      tile::grid_dependency_wait();  // the accumulator was zeroed before the prologue's kernels
       // Rows past a dense batch's seqlen_q fall outside the map (dropped); varlen rows past a sequence add 0.
       const int row0 = p.cu_seqlens_q ? seq.ws0 : 0;
       int head = hk * groups, mi = 0;
@@ -191,6 +192,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
         sm90::tma_load_4d(sV + panel * kBlockN * 128, &maps.v, kv_full, panel * 64, hk, seq.k0 + n0, tma_b);
       }
     }
+    tile::grid_dependency_wait();  // D (the prologue's dot_do_o_kernel) is read below; K / V load meanwhile
     int head = hk * groups, mi = 0;
 #pragma unroll 1
     for (int it = 0; it < iters; ++it) {
@@ -231,6 +233,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
 
   // ---- consumers -------------------------------------------------------------------------------
   sm90::regs_alloc<Tr::kConsumerRegs>();
+  tile::grid_dependency_wait();  // d rel_bias / d sinks were zeroed or written by the prologue
   const int tid = threadIdx.x - 128, wg = sm90::warpgroup_index() - 1, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
   const KeyWindow w(p, seq.sq, seq.sk);
   float dv[kD / 8][4] = {}, dk[kD / 8][4] = {};  // this warpgroup's 64 keys (GQA: summed over the group)
@@ -478,6 +481,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     mi = mi + 1 < kb.m_count ? mi + 1 : 0;
     head += mi == 0;
   }
+
+  tile::grid_launch_dependents();  // the convert kernel's CTAs may take the SMs of CTAs that finish (it waits)
 
   // dV, then dK, through this warp's 16 rows of the V tile (this warpgroup's rows are read by its dP^T alone).
   const int warp_key = 64 * wg + 16 * warp;  // this warp's keys: n0 + warp_key ..
