@@ -13,6 +13,9 @@ Three traps make that more than one ``register`` call (docs/architecture.md):
 * models with ``_compatible_flash_implementations`` rewrite any flash name to
   their own kernel: ``hf_flash.patches`` adds ours to the list of the class being loaded.
 
+The wrapper unpads a padded batch in every layer with two host syncs (``_get_unpad_data``): in our calls the
+result is kept on the mask, which every layer of a forward shares, so it is worked out once per forward.
+
 Generation steps (at most ``ops.DECODE_MAX_SEQLEN_Q`` new tokens against a KV cache) skip the wrapper,
 which unpads with ``nonzero()`` and a host sync in every layer and gathers the whole cache: they
 call ``flash_attn_with_kvcache`` on transformers' cache tensors as they are (a static cache's
@@ -21,6 +24,7 @@ buffer too), each row's keys being the run of ones of its padding mask, found by
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
@@ -80,7 +84,11 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
     if attention_mask is None and query.shape[0] == 1 and kwargs.get("position_ids") is not None \
             and kwargs.get("cu_seq_lens_q") is None and not _capturing(query):
         kwargs = {**kwargs, **_packing(kwargs["position_ids"])}
-    return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    token = _IN_WRAPPER.set(True)  # our call: the wrapper's unpadding data may come from the mask's cache
+    try:
+        return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    finally:
+        _IN_WRAPPER.reset(token)
 
 
 def _refuse_score_term(module, name: str):
@@ -294,6 +302,34 @@ def _kernels():
             mfau._pad_input, mfau._unpad_input)
 
 
+_IN_WRAPPER = contextvars.ContextVar("hf_flash_in_wrapper", default=False)
+
+
+def _install_unpad_cache(mfau) -> None:
+    """transformers' wrapper unpads a padded batch in every layer with ``_get_unpad_data(mask)``: a ``nonzero``
+    and an ``.item()``, two host syncs a layer that leave the GPU idle while the host catches up. The layers of one
+    forward share the mask tensor: within our calls (not other backends') the result is cached on it, keyed by
+    its version counter so that in-place edits recompute (inference tensors have none: computed per layer, as
+    are masks under compilation or graph capture)."""
+    original = getattr(mfau, "_get_unpad_data", None)
+    if original is None or getattr(original, "_hf_flash_hook", False):
+        return
+
+    @functools.wraps(original)
+    def _get_unpad_data(attention_mask):
+        if not _IN_WRAPPER.get() or attention_mask.is_inference() or _capturing(attention_mask):
+            return original(attention_mask)
+        cached = getattr(attention_mask, "_hf_flash_unpad", None)
+        if cached is not None and cached[0] == attention_mask._version:
+            return cached[1]
+        data = original(attention_mask)
+        attention_mask._hf_flash_unpad = (attention_mask._version, data)
+        return data
+
+    _get_unpad_data._hf_flash_hook = True
+    mfau._get_unpad_data = _get_unpad_data
+
+
 def _install_lazy_import_hook(mfau) -> None:
     original = mfau._lazy_imports
     if getattr(original, "_hf_flash_hook", False):
@@ -331,6 +367,7 @@ def register() -> bool:
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, padding_mask)
     _install_lazy_import_hook(mfau)
+    _install_unpad_cache(mfau)
     from .patches import install as _install_model_patches  # legacy families: patch at load, or refuse
 
     _install_model_patches()

@@ -216,6 +216,35 @@ def test_batch_of_one_decided_once_per_forward(packed, kernel_calls, monkeypatch
     assert calls["is_packed"] == 2
 
 
+def test_padded_batch_unpadded_once_per_forward(kernel_calls, monkeypatch):
+    """A padded batch: the wrapper's unpadding data (two host syncs) is worked out once per forward, not in every
+    layer, the result still matches eager, an in-place edit of the mask recomputes, and other backends' calls
+    are left alone."""
+    calls = []
+    original_nonzero = torch.nonzero
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original_nonzero(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "nonzero", spy)
+    ids, targets = data()
+    mask = padding_mask("left")
+    valid = mask.bool()
+    ours = logits_and_grads(build("llama", "hf_flash"), targets, valid, input_ids=ids, attention_mask=mask)
+    assert kernel_calls == {"fwd": LAYERS, "bwd": LAYERS} and len(calls) == 1
+    assert_same(ours, logits_and_grads(build("llama", "eager"), targets, valid, input_ids=ids, attention_mask=mask),
+                "llama padded batch vs eager")
+    mask[0, -1] = 1  # an in-place edit (a no-op here): the next forward works it out again
+    build("llama", "hf_flash")(input_ids=ids, attention_mask=mask)
+    assert len(calls) == 2
+    from transformers import modeling_flash_attention_utils as mfau
+
+    mfau._get_unpad_data(mask)  # outside an hf_flash call (another flash backend's): never cached
+    mfau._get_unpad_data(mask)
+    assert len(calls) == 4
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_attention_dropout_trains(name, kernel_calls):
     """Dropout inside the kernel: finite gradients, a different output, reproducible from the seed."""
