@@ -57,3 +57,17 @@ def check_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi=No
 
 def cu_seqlens(lengths):
     return torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+
+
+def capture_graph(step):
+    """(graph, step's outputs in the graph's memory): step runs once on a side stream (warm-up, outside the
+    capture), then is captured; graph.replay() reruns it on whatever its input tensors then hold."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

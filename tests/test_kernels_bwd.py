@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_flash import reference
-from helpers import cu_seqlens
+from helpers import capture_graph, cu_seqlens
 
 pytestmark = pytest.mark.gpu
 
@@ -195,14 +195,7 @@ def test_cuda_graph_fwd_bwd(d):
         flash_attn_func(q, k, v, causal=True).backward(dout)
         return [t.grad for t in (q, k, v)]
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        grads = step()
+    graph, grads = capture_graph(step)
     for _ in range(2):  # new inputs, same graph
         with torch.no_grad():
             for t in (q, k, v, dout):

@@ -12,7 +12,7 @@ import torch
 
 from hf_flash import checks, flash_attn_with_kvcache, reference
 from hf_flash.reference import naive_attention
-from helpers import assert_close, assert_lse, poison_allocator, randn
+from helpers import assert_close, assert_lse, capture_graph, poison_allocator, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -157,14 +157,7 @@ def test_cuda_graph_capture_and_replay():
         return flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens,
                                        cache_leftpad=leftpad, causal=True)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     for pos in ([1500, 4000], [7, 2500]):  # new lengths and inputs, same graph
         seqlens.copy_(torch.tensor(pos, dtype=torch.int32))
         for t in (q, k_new, v_new):
