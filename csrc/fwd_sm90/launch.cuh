@@ -85,7 +85,7 @@ cudaError_t run_fwd_sm90_shape(const FwdParams& p, cudaStream_t stream) {
 }
 // The two-consumer kernels hold one walk each, with or without T5's relative bias: with both (chosen at run
 // time) the d128 persistent kernel was 7672 SASS instructions against 4144, and at S = 512 its warps lost 6-8% of
-// their samples waiting for instructions (cuDNN 1.4%); split, S = 512 ran 1.01-1.05x. The d64 three-consumer
+// their samples waiting for instructions (cuDNN 1.4%); split, S = 512 ran 1.00-1.02x. The d64 three-consumer
 // kernel keeps both: with one, ptxas spilled in its epilogue and it ran 0.95-0.97x (docs/design/forward-sm90.md).
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
