@@ -210,12 +210,12 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-// Launches `kernel` as a programmatic dependent of the kernel before it in `stream` (Hopper): its CTAs may start
-// while that one finishes (their prologue under its tail, no launch gap); the kernel calls
+// Launches `kernel`; with `dependent` (Hopper) as a programmatic dependent of the kernel before it in `stream`:
+// its CTAs may start while that one finishes (their prologue under its tail, no launch gap), and the kernel calls
 // tile::grid_dependency_wait before reading that kernel's results.
 template <class... Params, class... Args>
-cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
-                             Args&&... args) {
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
+                          bool dependent, Args&&... args) {
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -225,7 +225,7 @@ cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, i
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = dependent ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

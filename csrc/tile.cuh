@@ -164,7 +164,7 @@ __device__ __forceinline__ Philox4 dropout_block(uint64_t seed, int row, int key
 }
 
 // Programmatic dependent launch (sm_90+; no-ops on older GPUs and when the kernel was launched without it,
-// launch_dependent in flash.h): a dependent kernel's CTAs may start while the kernel before it in the stream
+// launch_kernel in flash.h): a dependent kernel's CTAs may start while the kernel before it in the stream
 // finishes, and wait here before reading what that kernel wrote; a kernel lets its dependent start early by
 // calling grid_launch_dependents (once every CTA has called it or exited).
 __device__ __forceinline__ void grid_dependency_wait() {

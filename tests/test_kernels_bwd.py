@@ -181,7 +181,7 @@ def test_compile_fwd_bwd():
 @pytest.mark.parametrize("d", (64, 128))
 def test_cuda_graph_fwd_bwd(d):
     """Forward and backward captured in a CUDA graph and replayed on new inputs: the Hopper backward launches its
-    main and convert kernels as programmatic dependents (flash.h launch_dependent), which a capture must keep."""
+    main and convert kernels as programmatic dependents (flash.h launch_kernel), which a capture must keep."""
     if not _forward_built():
         pytest.skip("extension built without the forward kernels")
     from hf_flash import flash_attn_func

@@ -14,6 +14,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hf_flash import ops
+from hf_flash.bench.kernels import REL_BIAS_RADIUS
 
 loaded, detail = ops.extension_status()  # builds or loads the kernels (import alone does neither)
 if not loaded:
@@ -21,7 +22,7 @@ if not loaded:
 
 # (name, batch, seqlen, heads, kv heads, head dim, causal): the e2e benchmark's Llama layer, the paper grid, S = 512
 # (issue 16's short-sequence cells), then T5's shapes with and without its relative position bias ("bias": a
-# float32 (H, 2R + 1) table, R = 128 as in T5).
+# float32 (H, 2R + 1) table, R = REL_BIAS_RADIUS as in the kernel benchmark's rel_bias rows).
 CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384, 16, 8, 128, True),
          ("llama 8x1024", 8, 1024, 16, 8, 128, True),
          ("d128 causal 1k", 16, 1024, 16, 16, 128, True), ("d128 full 1k", 16, 1024, 16, 16, 128, False),
@@ -47,7 +48,7 @@ def case(b, s, h, hk, d, causal, bias):
     """({backend: callable}, the inputs whose grads do_bench resets) for one case of the chosen pass."""
     q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    table = torch.randn(h, 2 * 128 + 1, device="cuda", requires_grad=True) if bias else None
+    table = torch.randn(h, 2 * REL_BIAS_RADIUS + 1, device="cuda", requires_grad=True) if bias else None
     opts = (d**-0.5, causal, -1, 0 if causal else -1, 0.0, None, 0.0, None)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     if mode == "fwd":

@@ -328,11 +328,8 @@ cudaError_t bwd_prologue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_
 template <bool kIsBf16, int kHeadDim>
 cudaError_t bwd_epilogue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream, bool dependent = false) {
   const int64_t chunks = int64_t(p.total_q) * p.h * (kHeadDim / 8);
-  const int grid = int((chunks + kThreads - 1) / kThreads);
-  auto kernel = &convert_dq_kernel<kIsBf16, kHeadDim>;
-  if (dependent) return launch_dependent(kernel, grid, kThreads, 0, stream, p, ws.dq_acc, ws.dq_copy_floats, ws.copies);
-  kernel<<<grid, kThreads, 0, stream>>>(p, ws.dq_acc, ws.dq_copy_floats, ws.copies);
-  return cudaGetLastError();
+  return launch_kernel(&convert_dq_kernel<kIsBf16, kHeadDim>, int((chunks + kThreads - 1) / kThreads), kThreads, 0,
+                       stream, dependent, p, ws.dq_acc, ws.dq_copy_floats, ws.copies);
 }
 
 // Copy kRows x kD elements (rows >= limit zero-filled) into padded smem rows. Compile-time trip count,

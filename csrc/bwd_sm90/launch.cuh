@@ -58,7 +58,8 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   const int group = sm90::section_group(p.window_right == 0, pairs, n_blocks, p.num_sms,
                                         int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2, int64_t(32) << 20);
   // A dependent of the prologue's last kernel and the convert kernel's primary: 2-4 launch gaps a call hidden.
-  err = launch_dependent(kernel, n_blocks * pairs, Tr::kThreads, smem, stream, pk, maps, ws.dsum, ws.counters, group);
+  err = launch_kernel(kernel, n_blocks * pairs, Tr::kThreads, smem, stream, /*dependent=*/true, pk, maps, ws.dsum,
+                      ws.counters, group);
   if (err != cudaSuccess) return err;
   return bwd::bwd_epilogue<kIsBf16, kHeadDim>(p, ws, stream, /*dependent=*/true);
 }
