@@ -324,7 +324,7 @@ def test_kernel_cases_cover_the_grid():
     from hf_flash.bench import kernels
 
     full = kernels.cases(list(kernels.SETS), [64, 128], kernels.SEQLENS, kernels.LLAMA_SHAPES)
-    assert len(full) == 2 * 2 * 6 + 3 + 1 + 2 * 4 + 2 * 4 + 2 * 3 + 4
+    assert len(full) == 2 * 2 * 6 + 3 + 1 + 2 + 2 * 4 + 2 * 4 + 2 * 3 + 4
     assert len({c.name for c in full}) == len(full)  # rows are keyed by case name
     assert [(c.d, c.heads) for c in full[-4:]] == [(256, 8), (512, 4), (256, 8), (512, 4)]
     assert all(c.batch * c.seqlen == kernels.TOKENS and c.heads * c.d == kernels.HIDDEN for c in full[:24])
@@ -332,10 +332,12 @@ def test_kernel_cases_cover_the_grid():
     varlen = full[27]
     assert (varlen.heads, varlen.kv_heads, min(varlen.docs), max(varlen.docs)) == (32, 8, 1, 5000)
     assert varlen.flops("bwd") == 2.5 * 4 * sum(n * n for n in varlen.docs) * 32 * 128 / 2
-    plain, sinks = full[28:30]  # each sinks case follows the same shape without
+    assert [(c.name, c.batch * c.seqlen, c.heads, c.kv_heads, c.d, c.causal) for c in full[28:30]] == [
+        ("smol 8x1k", 8192, 9, 3, 64, True), ("smol 16x512", 8192, 9, 3, 64, True)]
+    plain, sinks = full[30:32]  # each sinks case follows the same shape without
     assert (plain.name + " +sinks", plain.sinks, sinks.sinks, sinks.rel_bias) == (sinks.name, False, True, False)
     assert plain.flops("fwd") == sinks.flops("fwd") == 4 * 8 * 1024**2 * 64 * 64 / 2
-    rel = full[36:44]  # T5's shapes, each beside its twin with the relative bias
+    rel = full[38:46]  # T5's shapes, each beside its twin with the relative bias
     assert [c.rel_bias for c in rel] == [False, True] * 4 and not any(c.sinks for c in rel)
     assert all(b.name == a.name + " +rel_bias" and b.flops("bwd") == a.flops("bwd")
                for a, b in zip(rel[::2], rel[1::2]))
@@ -343,7 +345,7 @@ def test_kernel_cases_cover_the_grid():
         (32, 512, 12, 12, 64, False), (32, 512, 12, 12, 64, True), (4, 4096, 12, 12, 64, False),
         (2, 4096, 32, 32, 128, True)]
     assert rel[0].flops("fwd") == 4 * 32 * 512**2 * 12 * 64
-    drop = full[44:50]  # T5 training shapes, each beside its twin with attention dropout
+    drop = full[46:52]  # T5 training shapes, each beside its twin with attention dropout
     assert [c.dropout_p for c in drop] == [0.0, kernels.DROPOUT_P] * 3 and not any(c.rel_bias for c in drop)
     assert all(b.name == a.name + " +dropout" and b.flops("bwd") == a.flops("bwd")
                for a, b in zip(drop[::2], drop[1::2]))
@@ -351,7 +353,7 @@ def test_kernel_cases_cover_the_grid():
     assert windowed.flops("fwd") == 4 * (129 * 130 // 2 + 129 * (8192 - 129)) * 64 * 64  # rows 0..128 see i + 1 keys, later 129
     quick = kernels.cases(list(kernels.SETS), [64, 128], kernels.QUICK_SEQLENS, kernels.QUICK_LLAMA,
                           kernels.QUICK_SINKS, kernels.QUICK_REL_BIAS, kernels.QUICK_DROPOUT)
-    assert len(quick) == 2 * 2 * 2 + 1 + 1 + 2 + 2 + 2 + 4
+    assert len(quick) == 2 * 2 * 2 + 1 + 1 + 2 + 2 + 2 + 2 + 4
 
 
 def test_kernel_backends_per_case():

@@ -105,24 +105,29 @@ def test_varlen_matches_sm80(monkeypatch, causal):
 
 
 # Full and causal attention over dense tensors with up to 2048 keys run persistent CTAs (fwd_sm90/launch.cuh): one
-# CTA per SM walks couples of query blocks (the heaviest causal block with the lightest), so this shape gives every
-# CTA several, the last block of each sequence partial, and keys that are not a multiple of the 128-key block; the
-# causal case has an odd block count (7: the middle couple is one block) and keys past its rows (bottom-right
-# diagonal). d64 full attention is persistent up to 1k keys only. Compared with the mma.sync kernel. Learned sinks
-# and T5's relative bias ride along (per tile: its head's sink and table rows).
+# CTA per SM walks couples of query blocks (the heaviest causal block with the lightest), or, where the couples'
+# last round would leave SMs idle, every pair's blocks heaviest first dealt in a snake (sm90/schedule.cuh); the
+# batch picks the deal. These shapes give every CTA several tiles, the last block of each sequence partial, and
+# keys that are not a multiple of the 128-key block; the causal case has an odd block count (7: the middle couple is
+# one block) and keys past its rows (bottom-right diagonal). d64 full attention is persistent up to 1k keys only.
+# Compared with the mma.sync kernel. Learned sinks and T5's relative bias ride along (per tile: its head's sink and
+# table rows).
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("feature", ["", "sinks", "rel_bias"])
-def test_persistent_tiles(monkeypatch, dtype, d, causal, feature):
+@pytest.mark.parametrize("deal,batch", [("couples", 16), ("snake", 3)])
+def test_persistent_tiles(monkeypatch, dtype, d, causal, feature, deal, batch):
     rows, keys = 850 if causal else 1000, 1000 if d == 64 else 1900  # 7 or 8 tiles of 128 rows, the last partial
-    q = randn(8, rows, 16, d, dtype=dtype)  # 8 x 16 x 4 couples
-    k, v = randn(8, keys, 4, d, dtype=dtype), randn(8, keys, 4, d, dtype=dtype)
+    q = randn(batch, rows, 16, d, dtype=dtype)  # batch x 16 pairs x 4 couples
+    k, v = randn(batch, keys, 4, d, dtype=dtype), randn(batch, keys, 4, d, dtype=dtype)
     extra = {"sinks": {"learnable_sink": torch.randn(16, device="cuda")},
              "rel_bias": {"rel_bias": torch.randn(16, 2 * 128 + 1, device="cuda")}}.get(feature, {})
     call = lambda: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **extra)[:2]  # noqa: E731
-    if torch.cuda.get_device_properties(0).multi_processor_count * 3 > 8 * 16 * 4:
-        pytest.skip("fewer than three couples a CTA on this GPU")
+    sms, couples = torch.cuda.get_device_properties(0).multi_processor_count, batch * 16 * 4
+    snake = 10 * couples < 9 * -(-couples // sms) * sms  # sm90::snake_deal
+    if snake != (deal == "snake") or couples < sms:
+        pytest.skip(f"{batch} x 16 x 4 couples do not give this GPU's {sms} SMs the {deal} deal with several tiles")
     assert any("fwd_sm90_kernel" in n and "2, true," in n for n in forward_kernels(call))
     out, lse = call()
     out80, lse80 = run_sm80(monkeypatch, call)

@@ -22,7 +22,8 @@ if not loaded:
 
 # (name, batch, seqlen, heads, kv heads, head dim, causal): the e2e benchmark's Llama layer, the paper grid, S = 512
 # (issue 16's short-sequence cells), then T5's shapes with and without its relative position bias ("bias": a
-# float32 (H, 2R + 1) table, R = REL_BIAS_RADIUS as in the kernel benchmark's rel_bias rows).
+# float32 (H, 2R + 1) table, R = REL_BIAS_RADIUS as in the kernel benchmark's rel_bias rows), then grids of few
+# tiles: the e2e benchmark's small model and single-prompt Llama prefills.
 CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384, 16, 8, 128, True),
          ("llama 8x1024", 8, 1024, 16, 8, 128, True),
          ("d128 causal 1k", 16, 1024, 16, 16, 128, True), ("d128 full 1k", 16, 1024, 16, 16, 128, False),
@@ -36,7 +37,10 @@ CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384
          ("d64 causal 512", 32, 512, 32, 32, 64, True), ("d64 full 512", 32, 512, 32, 32, 64, False),
          ("t5 enc 32x512", 32, 512, 12, 12, 64, False), ("t5 enc 32x512 bias", 32, 512, 12, 12, 64, False),
          ("t5 dec 32x512", 32, 512, 12, 12, 64, True), ("t5 dec 32x512 bias", 32, 512, 12, 12, 64, True),
-         ("d128 dec 2x4096", 2, 4096, 32, 32, 128, True), ("d128 dec 2x4096 bias", 2, 4096, 32, 32, 128, True)]
+         ("d128 dec 2x4096", 2, 4096, 32, 32, 128, True), ("d128 dec 2x4096 bias", 2, 4096, 32, 32, 128, True),
+         ("smol 8x1024", 8, 1024, 9, 3, 64, True), ("smol 16x512", 16, 512, 9, 3, 64, True),
+         ("llama 1x1024", 1, 1024, 32, 8, 128, True), ("llama 1x2048", 1, 2048, 32, 8, 128, True),
+         ("llama 2x2048", 2, 2048, 32, 8, 128, True)]
 
 tag, mode = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bwd"
 # AB_CASES="d64,llama 8x1024": only the cases whose name contains one of these (a short call for a narrow change).

@@ -39,7 +39,10 @@ namespace fwd_sm90 {
 // producer loading a tile's Q into a second buffer under the tile before. kBias: which of the key-block walks the
 // kernel holds, without or with T5's relative bias, or both chosen at run time (fwd_sm90/launch.cuh says where).
 enum class Bias { kNone, kTable, kEither };
-template <bool kIsBf16_, int kHeadDim_, int kConsumers_ = 2, bool kPersistent_ = false, Bias kBias_ = Bias::kEither>
+// kSnake (persistent only): the tiles dealt by sm90::SnakeTiles instead of couples (few tiles; launch.cuh). A
+// compile-time choice: the deal chosen at run time cost the couples kernel 2-6% (its code grew by 160 instructions).
+template <bool kIsBf16_, int kHeadDim_, int kConsumers_ = 2, bool kPersistent_ = false, Bias kBias_ = Bias::kEither,
+          bool kSnake_ = false>
 struct FwdSm90Traits {
   static constexpr bool kIsBf16 = kIsBf16_;
   using T = typename tile::Elem<kIsBf16>::T;
@@ -47,6 +50,8 @@ struct FwdSm90Traits {
   static constexpr int kConsumers = kConsumers_;
   static constexpr bool kPersistent = kPersistent_;
   static constexpr Bias kBias = kBias_;
+  static constexpr bool kSnake = kSnake_;
+  static_assert(!kSnake || kPersistent_, "a deal of persistent CTAs");
   static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64 && !kPersistent_), "instantiated shapes");
   static constexpr int kThreads = (kConsumers + 1) * 128;  // + the producer warpgroup
   static constexpr int kBlockM = kConsumers * 64;       // query rows per CTA
@@ -101,18 +106,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   auto v_empty = [&](int stage) { return bars + 8 * (2 * kQBuffers + 3 * kStages + stage); };
 
   // ---- the tiles: one CTA each, in sections of `group` (head, batch) pairs, or (persistent) couples of a pair's
-  // query blocks of equal causal work, round-robin (sm90/schedule.cuh) ----
+  // query blocks of equal causal work, round-robin, or with few tiles (kSnake) every pair's blocks heaviest first
+  // (sm90/schedule.cuh) ----
   const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
   const sm90::FoldedTiles folded(m_blocks);
-  const int first_tile = kPersistent ? folded.first() : 0, tiles = kPersistent ? 2 * folded.couples * p.h * p.b : 1;
-  auto next_tile = [&](int tile) { return kPersistent ? folded.next(tile) : tiles; };
+  const sm90::SnakeTiles snaked{p.h * p.b};
+  constexpr bool kSnake = Tr::kSnake;
+  const int first_tile = !kPersistent ? 0 : kSnake ? snaked.first() : folded.first();
+  const int tiles = !kPersistent ? 1 : kSnake ? m_blocks * p.h * p.b : 2 * folded.couples * p.h * p.b;
+  auto next_tile = [&](int tile) { return !kPersistent ? tiles : kSnake ? snaked.next(tile) : folded.next(tile); };
   // A tile's problem (as in fwd/kernel.cuh); empty when its query block is past its sequence (varlen).
   struct Tile {
     int head, batch, q_start, seqlen_q, k_start, seqlen_k, m0, m_last, n_block_min, n_block_max;
     KeyWindow w;
   };
   auto tile_at = [&](int tile) {
-    const sm90::SectionTile st = kPersistent ? folded.at(tile) : sm90::section_tile(p.h * p.b, m_blocks, group);
+    const sm90::SectionTile st = !kPersistent ? sm90::section_tile(p.h * p.b, m_blocks, group)
+                                 : kSnake     ? snaked.at(tile)
+                                              : folded.at(tile);
     const int m_block = m_blocks - 1 - st.block;  // block 0: the longest causal rows; -1: none (m0 past the rows)
     const int head = st.pair % p.h, batch = st.pair / p.h;
     const int2 rows_q = seq_rows(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);

@@ -21,10 +21,11 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   const int m_blocks = (p.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
   if (m_blocks == 0 || p.b == 0) return cudaSuccess;
   // One CTA a tile: sections of (head, batch) pairs, longest causal tiles first; persistent: one CTA an SM over
-  // couples of tiles (sm90/schedule.cuh). A pair's tiles share its K and V.
+  // couples of tiles, or with few couples over all tiles heaviest first (sm90/schedule.cuh). A pair's tiles share
+  // its K and V.
   const int64_t pairs = int64_t(p.h) * p.b, tiles = m_blocks * pairs;
   const int64_t couples = sm90::FoldedTiles(m_blocks).couples * pairs;
-  const unsigned grid = unsigned(Tr::kPersistent ? std::min<int64_t>(couples, p.num_sms) : tiles);
+  const unsigned grid = unsigned(Tr::kPersistent ? std::min<int64_t>(Tr::kSnake ? tiles : couples, p.num_sms) : tiles);
   // Every tile streams its pair's K / V, so a section holds at most 8 MiB of them: d128 causal 16k (8 MiB a pair)
   // measured 0.94-0.96x / 0.98x with 3 / 2 pairs a section, Llama 2 x 4096 (2 MiB) 1.04-1.11x with 8-9.
   const int group = Tr::kPersistent ? 1
@@ -63,7 +64,9 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 // causal 2k 1.02x, full 1k 1.04x, full 2k 0.92x.
 // Full and causal attention over dense tensors with up to kPersistentKeys keys runs persistent CTAs (two
 // consumers): a tile of few key blocks would otherwise wait for its Q and first K / V with nothing to overlap them.
-// Causal tiles go in couples of equal work (sm90/schedule.cuh); dealt one by one round-robin they lost 1-6%.
+// Causal tiles go in couples of equal work (sm90/schedule.cuh); dealt one by one round-robin they lost 1-6%. Where
+// the couples' last round would leave SMs idle, all tiles go heaviest first in a snake (SnakeTiles): the SmolLM2
+// layer (9 / 3 heads, d64, causal) at 8 x 1024 1.20x, 16 x 512 1.12x (same-process A/B, H100).
 // Same-process A/B: d128 full 1k / 2k 1.08x / 1.05x, causal 1k / 2k 1.14x / 1.08x, Llama 8 x 1024 1.18x, d64
 // causal 1k 1.14x (docs/design/forward-sm90.md). Windowed, packed and KV-cache rows keep one CTA a tile. Three
 // persistent consumers (160 registers) measured 0.84-1.00x the kernels used here at d64 up to 2k keys.
@@ -74,7 +77,11 @@ cudaError_t run_fwd_sm90_shape(const FwdParams& p, cudaStream_t stream) {
   const bool causal = p.window_right == 0;
   const bool linear_work = p.window_left < 0 && p.window_right <= 0 && !p.cu_seqlens_q && !p.seqused_k;
   if (linear_work && p.seqlen_k <= (kHeadDim == 64 && !causal ? kPersistentKeysD64Full : kPersistentKeys)) {
-    return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kBias>>(p, stream);
+    using Couples = fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kBias>;
+    const int m_blocks = (p.seqlen_q + Couples::kBlockM - 1) / Couples::kBlockM;
+    if (sm90::snake_deal(sm90::FoldedTiles(m_blocks).couples * int64_t(p.h) * p.b, p.num_sms))
+      return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kBias, true>>(p, stream);
+    return launch_fwd_sm90<Couples>(p, stream);
   }
   if constexpr (kHeadDim == 64) {
     if (!causal || p.seqlen_q > 1024) {

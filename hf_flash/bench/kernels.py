@@ -68,7 +68,10 @@ FEATURES = {"sinks": "learned sinks", "rel_bias": f"relative position bias (R = 
             "dropout": f"attention dropout (p = {DROPOUT_P})"}
 TWIN = " +"
 LARGE_D = (256, 512)  # head dims of the "d512" set: Gemma 4's global layers against the largest other kernel
-SETS = ("grid", "llama", "varlen", *FEATURES, "d512")
+# The attention layer of the e2e benchmark's small model (SmolLM2-135M: 9 / 3 heads, d64, causal) at its two batch
+# shapes: few (kv head, batch) pairs, so the grids run in under two waves
+SMOL_SHAPES = (("smol 8x1k", 8, 1024), ("smol 16x512", 16, 512))
+SETS = ("grid", "llama", "varlen", "smol", *FEATURES, "d512")
 MODES = ("fwd", "bwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 DEFAULT_BACKENDS = ("hf_flash", B.FA4, "sdpa-cudnn", "sdpa-flash", B.SDPA_DEFAULT)
@@ -156,6 +159,8 @@ def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple, s
     if "varlen" in sets:
         out.append(Case(f"varlen {len(VARLEN_DOCS)} docs", len(VARLEN_DOCS), max(VARLEN_DOCS), 32, 8, 128, True,
                         VARLEN_DOCS))
+    if "smol" in sets:
+        out += [Case(name, b, s, 9, 3, 64, True) for name, b, s in SMOL_SHAPES]
     if "sinks" in sets:
         out += _twins("sinks", [Case(name, b, s, h, hk, d, True, window=w) for name, b, s, h, hk, d, w in sinks])
     if "rel_bias" in sets:
