@@ -73,8 +73,7 @@ def test_interleaved_generate_takes_turns(tiny_case):
 
 def test_interleaved_train_takes_turns(monkeypatch):
     """The e2e training measurement: every backend's model resident, warm-up steps first, then the timed steps
-    take turns, each turn one untimed step and then the timed ones; a backend that cannot be built gets an error
-    row."""
+    take turns; a backend that cannot be built gets an error row."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from hf_flash.bench import e2e
@@ -102,7 +101,7 @@ def test_interleaved_train_takes_turns(monkeypatch):
     assert all(r.tokens_per_s > 0 and r.spread >= 0 and not r.error for r in (rows[0], rows[2]))
     warm = e2e.WARMUP_STEPS
     turns = ["hf_flash", "sdpa", "sdpa", "hf_flash", "hf_flash", "sdpa"]  # 3 rounds, the leader rotating
-    assert steps == ["hf_flash"] * warm + ["sdpa"] * warm + [b for b in turns for _ in range(1 + 2)]
+    assert steps == ["hf_flash"] * warm + ["sdpa"] * warm + [b for b in turns for _ in range(2)]
 
     steps.clear()  # one model at a time: built (and warmed up) anew every round, in rotated order
     rows = e2e.measure_train(backends, "tiny", layers=1, rounds=2, steps=1, resident=False)

@@ -12,11 +12,9 @@ length (position ids restart per document); SmolLM2 shape at 8 x 1024 and 16 x 5
 generate benchmark's 8 x 1024 + 128 case, dynamic cache.
 Times: per training row every backend's model is resident (when memory allows; on running out, the row is
 redone one model at a time, building each anew per round in rotated order); after warm-up steps,
-``--rounds`` rounds in which the backends take turns. A turn is one untimed step (the switch from the other
-models: allocator and caches), then ``--steps`` steps, each on the CUDA-synchronised wall clock, and counts their
-median (with a turn the mean of its steps, the small model's rounds spread up to 47%, b0e6bf1). tokens/s = the
-median over rounds, spread = max - min. Writes e2e.csv and e2e.png to --out, appends to the results file and
-prints a table last.
+``--rounds`` rounds in which the backends take turns, each turn ``--steps`` steps on the CUDA-synchronised
+wall clock; tokens/s = the median over rounds, spread = max - min. Writes e2e.csv and e2e.png to --out,
+appends to the results file and prints a table last.
 """
 
 from __future__ import annotations
@@ -126,7 +124,7 @@ def _one_at_a_time(backends: list[str], shape: str, layers: int, rounds: int, st
                 step, resident = _trainer(backend, shape, layers)
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
-                cases[backend]["times"].append(timed(step, warmup=0, steps=steps))  # just built and warmed up
+                cases[backend]["times"].append(timed(step, warmup=0, steps=1, calls=steps))
                 cases[backend]["peak"] = max(cases[backend]["peak"], torch.cuda.max_memory_allocated() - base)
                 cases[backend]["resident"] = resident
             except Exception as e:  # noqa: BLE001
@@ -152,7 +150,7 @@ def measure_train(backends: list[str], shape: str, layers: int, rounds: int = 3,
                 ready[backend] = {"run": step, "resident": size}
             except Exception as e:  # noqa: BLE001  (a backend that cannot run the shape)
                 rows[backend] = error_row("train", shape, backend, e)
-        failed = take_turns(ready, rounds, steps=steps, warmup=1)
+        failed = take_turns(ready, rounds, calls=steps)
     else:
         ready, failed = _one_at_a_time(backends, shape, layers, rounds, steps)
     for backend, e in failed.items():

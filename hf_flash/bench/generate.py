@@ -173,12 +173,11 @@ def measure(backend: str, shape: str, cache: str, layers: int = 8, new_tokens: i
         torch.cuda.empty_cache()
 
 
-def take_turns(cases: dict, rounds: int, steps: int = 1, warmup: int = 0) -> dict:
+def take_turns(cases: dict, rounds: int, calls: int = 1) -> dict:
     """Times ``rounds`` turns of every case's ``run()`` with all of them resident, taking turns (the first case
     of each round rotates, ``timing.rotated``), so drift over a process falls on every backend alike; a turn
-    is ``warmup`` untimed calls, then ``steps`` calls timed one by one (``timed``: their median). Adds to each
-    case dict its "times" (seconds per call, one per round) and "peak" (the most one turn allocated on top of
-    what was resident: the other models too).
+    is ``calls`` consecutive calls. Adds to each case dict its "times" (seconds per call, one per round) and
+    "peak" (the most one turn allocated on top of what was resident: the other models too).
     Returns {name: exception} of the cases that raised (removed from ``cases``)."""
     failed = {}
     for case in cases.values():
@@ -189,7 +188,7 @@ def take_turns(cases: dict, rounds: int, steps: int = 1, warmup: int = 0) -> dic
             try:
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
-                case["times"].append(timed(case["run"], warmup=warmup, steps=steps))
+                case["times"].append(timed(case["run"], warmup=0, steps=1, calls=calls))
                 case["peak"] = max(case["peak"], torch.cuda.max_memory_allocated() - base)
             except Exception as e:  # noqa: BLE001
                 failed[name] = e
