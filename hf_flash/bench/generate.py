@@ -178,32 +178,21 @@ def take_turns(cases: dict, rounds: int, calls: int = 1) -> dict:
     of each round rotates, ``timing.rotated``), so drift over a process falls on every backend alike; a turn
     is ``calls`` consecutive calls. Adds to each case dict its "times" (seconds per call, one per round) and
     "peak" (the most one turn allocated on top of what was resident: the other models too).
-    Python's collector stays out of the turns: the resident models are frozen out of its scans and it runs
-    between turns only (host-bound models otherwise took its pauses wherever they fell).
     Returns {name: exception} of the cases that raised (removed from ``cases``)."""
     failed = {}
     for case in cases.values():
         case.update(times=[], peak=0)
-    gc.collect()
-    gc.freeze()
-    try:
-        for step in range(rounds):
-            for name in rotated(list(cases), step):
-                case = cases[name]
-                gc.collect()
-                gc.disable()
-                try:
-                    base = torch.cuda.memory_allocated()
-                    torch.cuda.reset_peak_memory_stats()
-                    case["times"].append(timed(case["run"], warmup=0, steps=1, calls=calls))
-                    case["peak"] = max(case["peak"], torch.cuda.max_memory_allocated() - base)
-                except Exception as e:  # noqa: BLE001
-                    failed[name] = e
-                    del cases[name]
-                finally:
-                    gc.enable()
-    finally:
-        gc.unfreeze()
+    for step in range(rounds):
+        for name in rotated(list(cases), step):
+            case = cases[name]
+            try:
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                case["times"].append(timed(case["run"], warmup=0, steps=1, calls=calls))
+                case["peak"] = max(case["peak"], torch.cuda.max_memory_allocated() - base)
+            except Exception as e:  # noqa: BLE001
+                failed[name] = e
+                del cases[name]
     return failed
 
 
