@@ -66,7 +66,7 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 // consumers): a tile of few key blocks would otherwise wait for its Q and first K / V with nothing to overlap them.
 // Causal tiles go in couples of equal work (sm90/schedule.cuh); dealt one by one round-robin they lost 1-6%. Where
 // the couples' last round would leave SMs idle, all tiles go heaviest first in a snake (SnakeTiles): the SmolLM2
-// layer (9 / 3 heads, d64, causal) at 8 x 1024 1.20x, 16 x 512 1.12x (same-process A/B, H100).
+// layer (9 / 3 heads, d64, causal) at 8 x 1024 1.21x, 16 x 512 1.12x (same-process A/B, H100).
 // Same-process A/B: d128 full 1k / 2k 1.08x / 1.05x, causal 1k / 2k 1.14x / 1.08x, Llama 8 x 1024 1.18x, d64
 // causal 1k 1.14x (docs/design/forward-sm90.md). Windowed, packed and KV-cache rows keep one CTA a tile. Three
 // persistent consumers (160 registers) measured 0.84-1.00x the kernels used here at d64 up to 2k keys.
