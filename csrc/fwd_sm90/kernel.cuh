@@ -52,6 +52,7 @@ struct FwdSm90Traits {
   static constexpr Bias kBias = kBias_;
   static constexpr bool kSnake = kSnake_;
   static_assert(!kSnake || kPersistent_, "a deal of persistent CTAs");
+  using Snaked = FwdSm90Traits<kIsBf16_, kHeadDim_, kConsumers_, kPersistent_, kBias_, true>;  // launch.cuh's pick
   static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64 && !kPersistent_), "instantiated shapes");
   static constexpr int kThreads = (kConsumers + 1) * 128;  // + the producer warpgroup
   static constexpr int kBlockM = kConsumers * 64;       // query rows per CTA

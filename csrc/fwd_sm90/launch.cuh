@@ -25,6 +25,9 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // its K and V.
   const int64_t pairs = int64_t(p.h) * p.b, tiles = m_blocks * pairs;
   const int64_t couples = sm90::FoldedTiles(m_blocks).couples * pairs;
+  if constexpr (Tr::kPersistent && !Tr::kSnake) {
+    if (sm90::snake_deal(couples, p.num_sms)) return launch_fwd_sm90<typename Tr::Snaked>(p, stream);
+  }
   const unsigned grid = unsigned(Tr::kPersistent ? std::min<int64_t>(Tr::kSnake ? tiles : couples, p.num_sms) : tiles);
   // Every tile streams its pair's K / V, so a section holds at most 8 MiB of them: d128 causal 16k (8 MiB a pair)
   // measured 0.94-0.96x / 0.98x with 3 / 2 pairs a section, Llama 2 x 4096 (2 MiB) 1.04-1.11x with 8-9.
@@ -77,11 +80,7 @@ cudaError_t run_fwd_sm90_shape(const FwdParams& p, cudaStream_t stream) {
   const bool causal = p.window_right == 0;
   const bool linear_work = p.window_left < 0 && p.window_right <= 0 && !p.cu_seqlens_q && !p.seqused_k;
   if (linear_work && p.seqlen_k <= (kHeadDim == 64 && !causal ? kPersistentKeysD64Full : kPersistentKeys)) {
-    using Couples = fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kBias>;
-    const int m_blocks = (p.seqlen_q + Couples::kBlockM - 1) / Couples::kBlockM;
-    if (sm90::snake_deal(sm90::FoldedTiles(m_blocks).couples * int64_t(p.h) * p.b, p.num_sms))
-      return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kBias, true>>(p, stream);
-    return launch_fwd_sm90<Couples>(p, stream);
+    return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kBias>>(p, stream);
   }
   if constexpr (kHeadDim == 64) {
     if (!causal || p.seqlen_q > 1024) {
