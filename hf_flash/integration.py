@@ -152,21 +152,29 @@ def _packing(position_ids) -> dict:
     decided per layer) and hand the wrapper ``position_ids=None`` and, when packed, the varlen arguments, which
     it uses without a sync.
     """
-    version = None if position_ids.is_inference() else position_ids._version  # inference tensors have none
-    cached = getattr(position_ids, "_hf_flash_packing", None)
-    if cached is not None and version is not None and cached[0] == version:
-        return cached[1]
     from transformers import modeling_flash_attention_utils as mfau
 
-    if bool(mfau._is_packed_sequence(position_ids, 1)):
+    def decide():
+        if not bool(mfau._is_packed_sequence(position_ids, 1)):
+            return dict(position_ids=None)
         (cu_q, cu_k), (max_q, max_k) = mfau.prepare_fa_kwargs_from_position_ids(position_ids)
-        extra = dict(position_ids=None, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=int(max_q),
-                     max_length_k=int(max_k))
-    else:
-        extra = dict(position_ids=None)
-    if version is not None:
-        position_ids._hf_flash_packing = (version, extra)
-    return extra
+        return dict(position_ids=None, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=int(max_q),
+                    max_length_k=int(max_k))
+
+    return _cached_on(position_ids, "_hf_flash_packing", decide)
+
+
+def _cached_on(t, attr: str, compute):
+    """``compute()``, kept on tensor ``t`` as ``attr`` and keyed by its version counter, so an in-place edit
+    recomputes; inference tensors have no version counter: computed every time."""
+    if t.is_inference():
+        return compute()
+    cached = getattr(t, attr, None)
+    if cached is not None and cached[0] == t._version:
+        return cached[1]
+    value = compute()
+    setattr(t, attr, (t._version, value))
+    return value
 
 
 def _is_decode_step(module, query, key, value, mask, kwargs) -> bool:
@@ -317,14 +325,9 @@ def _install_unpad_cache(mfau) -> None:
 
     @functools.wraps(original)
     def _get_unpad_data(attention_mask):
-        if not _IN_WRAPPER.get() or attention_mask.is_inference() or _capturing(attention_mask):
+        if not _IN_WRAPPER.get() or _capturing(attention_mask):
             return original(attention_mask)
-        cached = getattr(attention_mask, "_hf_flash_unpad", None)
-        if cached is not None and cached[0] == attention_mask._version:
-            return cached[1]
-        data = original(attention_mask)
-        attention_mask._hf_flash_unpad = (attention_mask._version, data)
-        return data
+        return _cached_on(attention_mask, "_hf_flash_unpad", lambda: original(attention_mask))
 
     _get_unpad_data._hf_flash_hook = True
     mfau._get_unpad_data = _get_unpad_data
