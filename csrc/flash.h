@@ -17,6 +17,16 @@ namespace hf_flash {
 // The head dims the mma.sync families are instantiated for (csrc/generate_kernels.py reads this line).
 constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256, 512};
 constexpr int kMaxHeadDim = kHeadDims[sizeof(kHeadDims) / sizeof(kHeadDims[0]) - 1];
+// The head dims of the Hopper (wgmma) forward and backward (the generator reads these lines too).
+constexpr int kFwdSm90HeadDims[] = {64, 128, 256};
+constexpr int kBwdSm90HeadDims[] = {64, 128};
+template <int N>
+constexpr bool is_one_of(int d, const int (&dims)[N]) {
+  for (int x : dims) {
+    if (x == d) return true;
+  }
+  return false;
+}
 
 struct FwdParams {
   const void* __restrict__ q;

@@ -13,10 +13,10 @@ bool use_sm90(const FwdParams& p) {
   return p.arch == 90 && !(off && std::strcmp(off, "1") == 0);
 }
 
-// The Hopper kernel covers dense and varlen attention at d64 / d128, full, causal or within a (sliding) window;
-// softcap, ALiBi, dropout, KV-cache rows (seqused_k) and other head dims run the mma.sync kernel.
+// The Hopper kernel covers dense and varlen attention at kFwdSm90HeadDims, full, causal or within a (sliding)
+// window; softcap, ALiBi, dropout, KV-cache rows (seqused_k) and other head dims run the mma.sync kernel.
 bool fwd_sm90_supports(const FwdParams& p) {
-  return (p.d == 64 || p.d == 128) && p.softcap == 0.f && p.alibi_slopes == nullptr && p.dropout_p == 0.f &&
+  return is_one_of(p.d, kFwdSm90HeadDims) && p.softcap == 0.f && p.alibi_slopes == nullptr && p.dropout_p == 0.f &&
          p.seqused_k == nullptr && p.leftpad_k == nullptr;
 }
 

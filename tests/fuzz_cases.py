@@ -628,7 +628,7 @@ def run_bad_case(case: Case, device, expect_error: bool = True) -> None:
 
 
 # Every kernel family on its edges, for compute-sanitizer (tools/fuzz_sanitize.py runs these before the random
-# seeds): the Hopper kernels (d64 / d128 without extras) with lengths off the tiles, seqlen_q != seqlen_k (fully
+# seeds): the Hopper kernels (d64 / d128, and the d256 forward, without extras) with lengths off the tiles, seqlen_q != seqlen_k (fully
 # masked causal rows), GQA and empty varlen sequences; the mma.sync kernels at the other head dims with window,
 # softcap and dropout; the split-KV decode kernel and its combine over ragged, left-padded caches, empty rows,
 # GQA packing over several row tiles and split counts auto / 1 / 3.
@@ -637,7 +637,8 @@ FAMILY_CASES = [
     Case(kind="dense", dtype="float16", h=4, hk=1, d=128, lens_q=(150, 150), lens_k=(77, 77), causal=True),
     Case(kind="dense", dtype="bfloat16", h=2, hk=2, d=128, lens_q=(200, 200), lens_k=(200, 200), causal=True),
     *(Case(kind="varlen", dtype="bfloat16", h=4, hk=4, d=d, lens_q=(0, 5, 0, 130, 64), lens_k=(0, 5, 0, 130, 64),
-           causal=True) for d in (64, 128)),
+           causal=True) for d in (64, 128, 256)),
+    Case(kind="dense", dtype="float16", h=4, hk=2, d=256, lens_q=(161, 161), lens_k=(81, 81), causal=True),
     *(Case(kind="dense", dtype=dtype, h=3, hk=3, d=d, lens_q=(77, 77), lens_k=(130, 130), **extra)
       for d in (32, 96, 256, 512) for dtype in ("bfloat16", "float16")
       for extra in ({"causal": True}, {"window": (20, 3), "softcap": 10.0, "dropout": 0.2})),

@@ -1,5 +1,5 @@
-"""The Hopper (wgmma) forward kernel: that it runs where it should, the edges of its 128 x 128 tiles and of
-sliding windows.
+"""The Hopper (wgmma) forward kernel: that it runs where it should, the edges of its tiles (128 query rows x 128
+keys, 80 at d256) and of sliding windows.
 test_kernels_fwd.py runs the whole forward grid with it active on CC 9.0; these cases add tile edges and
 compare it with the mma.sync kernel (HF_FLASH_DISABLE_SM90=1) on the same inputs."""
 
@@ -34,7 +34,8 @@ def run_sm80(monkeypatch, fn):
 @pytest.mark.parametrize("d,window,softcap,expect_sm90", [
     (128, (-1, -1), 0.0, True), (64, (-1, 0), 0.0, True),  # plain and causal
     (128, (64, 0), 0.0, True), (64, (32, 32), 0.0, True),  # sliding and local windows
-    (96, (-1, -1), 0.0, False), (256, (-1, -1), 0.0, False),  # other head dims
+    (256, (-1, 0), 0.0, True),  # d256: 80-key blocks
+    (96, (-1, -1), 0.0, False), (512, (-1, -1), 0.0, False),  # other head dims
     (128, (-1, -1), 30.0, False),  # softcap
 ])
 def test_dispatch(monkeypatch, d, window, softcap, expect_sm90):
@@ -46,10 +47,12 @@ def test_dispatch(monkeypatch, d, window, softcap, expect_sm90):
     assert not any("fwd_sm90_kernel" in n for n in run_sm80(monkeypatch, lambda: forward_kernels(call)))
 
 
-# Lengths around the 128-row / 128-key tiles: one row, fewer keys than a tile, one past a tile, many tiles.
+# Lengths around the 128-row / 128-key (d256: 80-key) tiles: one row, fewer keys than a tile, one past a tile, many
+# tiles.
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("sq,sk", [(1, 1), (5, 127), (127, 5), (129, 129), (200, 64), (257, 1), (2049, 2047)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("sq,sk", [(1, 1), (5, 127), (127, 5), (129, 129), (200, 64), (257, 1), (161, 81), (80, 241),
+                                   (2049, 2047)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tile_edges(monkeypatch, dtype, d, sq, sk, causal):
     q, k, v = randn(2, sq, 4, d, dtype=dtype), randn(2, sk, 2, d, dtype=dtype), randn(2, sk, 2, d, dtype=dtype)
@@ -61,7 +64,7 @@ def test_tile_edges(monkeypatch, dtype, d, sq, sk, causal):
 
 # Windows whose edges fall inside, on and across the 128-key blocks, a window past every key, a window of one key;
 # sq != sk moves the diagonal (bottom-right aligned), so some rows see no key.
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("window", [(1, 0), (127, 0), (128, 0), (200, 64), (0, 0), (-1, 50), (3000, 0)])
 @pytest.mark.parametrize("sq,sk", [(1000, 1000), (300, 700), (700, 300)])
 def test_windows(monkeypatch, d, window, sq, sk):
@@ -74,7 +77,7 @@ def test_windows(monkeypatch, d, window, sq, sk):
     torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_large_logits_and_mqa(d):
     # Scores of magnitude ~100: the running max moves a lot between key blocks (O rescaling); one KV head.
     q = randn(1, 700, 8, d, dtype=torch.bfloat16, scale=8)
@@ -89,12 +92,13 @@ def test_strided_qkv():
     check_dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_matches_sm80(monkeypatch, causal):
+def test_varlen_matches_sm80(monkeypatch, d, causal):
     lens_q, lens_k = [0, 128, 129, 1, 700, 0, 64], [3, 128, 0, 255, 700, 0, 1]
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
-    q = randn(sum(lens_q), 4, 128, dtype=torch.float16)
-    k, v = randn(sum(lens_k), 2, 128, dtype=torch.float16), randn(sum(lens_k), 2, 128, dtype=torch.float16)
+    q = randn(sum(lens_q), 4, d, dtype=torch.float16)
+    k, v = randn(sum(lens_k), 2, d, dtype=torch.float16), randn(sum(lens_k), 2, d, dtype=torch.float16)
     call = lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,  # noqa: E731
                                           return_attn_probs=True)[:2]
     out, lse = call()
@@ -103,6 +107,22 @@ def test_varlen_matches_sm80(monkeypatch, causal):
     torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(out.float(), out80.float(), atol=1e-2, rtol=0)
 
+
+
+# d256 runs one CTA a tile (no room for the persistent kernels' second Q buffer); sinks and T5's relative bias ride
+# its 80-key blocks too.
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("feature", ["sinks", "rel_bias"])
+def test_d256_features(monkeypatch, causal, feature):
+    q, k, v = randn(2, 333, 4, 256, dtype=torch.bfloat16), *(randn(2, 419, 2, 256, dtype=torch.bfloat16) for _ in "kv")
+    extra = {"sinks": {"learnable_sink": torch.randn(4, device="cuda")},
+             "rel_bias": {"rel_bias": torch.randn(4, 2 * 128 + 1, device="cuda")}}[feature]
+    call = lambda: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **extra)[:2]  # noqa: E731
+    assert any("fwd_sm90_kernel" in n for n in forward_kernels(call))
+    out, lse = call()
+    out80, lse80 = run_sm80(monkeypatch, call)
+    torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)
 
 # Full and causal attention over dense tensors with up to 2048 keys run persistent CTAs (fwd_sm90/launch.cuh): one
 # CTA per SM walks couples of query blocks (the heaviest causal block with the lightest), or, where the couples'

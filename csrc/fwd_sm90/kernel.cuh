@@ -56,7 +56,9 @@ struct FwdSm90Traits {
   static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64 && !kPersistent_), "instantiated shapes");
   static constexpr int kThreads = (kConsumers + 1) * 128;  // + the producer warpgroup
   static constexpr int kBlockM = kConsumers * 64;       // query rows per CTA
-  static constexpr int kBlockN = 128;                   // keys per main-loop step
+  // Keys per main-loop step. d256: two stages of 80 keys fit beside a 128-row Q tile (FlashAttention-3's shape);
+  // O takes 128 of a consumer's registers there.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 80;
   static constexpr int kStages = 2;
   // Per-warp view for the sm80 softmax helpers: one 16-row slab, n8 tiles of S and of O.
   static constexpr int kMTiles = 1, kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
@@ -72,6 +74,7 @@ struct FwdSm90Traits {
   // q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[]; + 1024 bytes of alignment slack
   static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
   static constexpr int kSmemBytes = kQBuffers * kSmemQ + kStages * 2 * kSmemKV + kBarriers * 8 + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of an SM (d256: no second Q buffer, so not persistent)");
   // Named barriers: 1 .. kConsumers take turns (below); kTileBarrier lines the consumers up between tiles.
   static constexpr int kTileBarrier = kConsumers + 1;
 
@@ -221,7 +224,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const uint64_t k_desc = sm90::desc(sK(stage_of(it)), 16);
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        sm90::mma_ss<128, Tr::kIsBf16, 0, 0>(s[0], sm90::k_major_step<kBlockM>(q_desc, kk),
+        sm90::mma_ss<kBlockN, Tr::kIsBf16, 0, 0>(s[0], sm90::k_major_step<kBlockM>(q_desc, kk),
                                          sm90::k_major_step<kBlockN>(k_desc, kk), kk > 0);
       }
       sm90::commit();

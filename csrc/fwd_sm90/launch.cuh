@@ -79,8 +79,10 @@ cudaError_t run_fwd_sm90_shape(const FwdParams& p, cudaStream_t stream) {
   // Tiles whose work is equal (full attention) or falls linearly with the query block (causal): couples balance.
   const bool causal = p.window_right == 0;
   const bool linear_work = p.window_left < 0 && p.window_right <= 0 && !p.cu_seqlens_q && !p.seqused_k;
-  if (linear_work && p.seqlen_k <= (kHeadDim == 64 && !causal ? kPersistentKeysD64Full : kPersistentKeys)) {
-    return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kBias>>(p, stream);
+  if constexpr (kHeadDim <= 128) {  // d256 has no room for a second Q buffer
+    if (linear_work && p.seqlen_k <= (kHeadDim == 64 && !causal ? kPersistentKeysD64Full : kPersistentKeys)) {
+      return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kBias>>(p, stream);
+    }
   }
   if constexpr (kHeadDim == 64) {
     if (!causal || p.seqlen_q > 1024) {

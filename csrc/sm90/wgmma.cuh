@@ -78,6 +78,8 @@ __device__ __forceinline__ void fence_operand(E (&regs)[N]) {
 #define HF_SM90_F16(x, i) HF_SM90_F4(x, i), HF_SM90_F4(x, i + 4), HF_SM90_F4(x, i + 8), HF_SM90_F4(x, i + 12)
 #define HF_SM90_OUT32(x) HF_SM90_F16(x, 0), HF_SM90_F16(x, 16)
 #define HF_SM90_OUT64(x) HF_SM90_OUT32(x), HF_SM90_F16(x, 32), HF_SM90_F16(x, 48)
+#define HF_SM90_OUT40(x) HF_SM90_OUT32(x), HF_SM90_F4(x, 32), HF_SM90_F4(x, 36)
+#define HF_SM90_OUT128(x) HF_SM90_OUT64(x), HF_SM90_F16(x, 64), HF_SM90_F16(x, 80), HF_SM90_F16(x, 96), HF_SM90_F16(x, 112)
 #define HF_SM90_D32                                                                                              \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -85,6 +87,17 @@ __device__ __forceinline__ void fence_operand(E (&regs)[N]) {
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "   \
   "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define HF_SM90_D40                                                                                            \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "      \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
+#define HF_SM90_D128                                                                                           \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "      \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "       \
+  "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "       \
+  "%62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "       \
+  "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, "     \
+  "%102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, "     \
+  "%119, %120, %121, %122, %123, %124, %125, %126, %127}"
 
 // d (m64 x kN, fp32, += when accumulate) = A (m64 x k16) * B (k16 x kN), both from shared memory; kTransA /
 // kTransB = 1 when the operand is MN-major. Accumulator layout: d[j][r] is row 16 * (warp % 4) + lane / 4 +
@@ -96,8 +109,10 @@ __device__ __forceinline__ void fence_operand(E (&regs)[N]) {
                : "l"(a), "l"(b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB))
 template <int kN, bool kIsBf16, int kTransA, int kTransB>
 __device__ __forceinline__ void mma_ss(float (&d)[kN / 8][4], uint64_t a, uint64_t b, bool accumulate) {
-  static_assert(kN == 64 || kN == 128, "instantiated widths");
+  static_assert(kN == 64 || kN == 80 || kN == 128, "instantiated widths");
   float* x = &d[0][0];
+  if constexpr (kN == 80 && kIsBf16) HF_SM90_SS("bf16", "80", HF_SM90_D40, HF_SM90_OUT40(x), "%40", "%41", "%42", "%43", "%44");
+  if constexpr (kN == 80 && !kIsBf16) HF_SM90_SS("f16", "80", HF_SM90_D40, HF_SM90_OUT40(x), "%40", "%41", "%42", "%43", "%44");
   if constexpr (kN == 64 && kIsBf16) HF_SM90_SS("bf16", "64", HF_SM90_D32, HF_SM90_OUT32(x), "%32", "%33", "%34", "%35", "%36");
   if constexpr (kN == 64 && !kIsBf16) HF_SM90_SS("f16", "64", HF_SM90_D32, HF_SM90_OUT32(x), "%32", "%33", "%34", "%35", "%36");
   if constexpr (kN == 128 && kIsBf16) HF_SM90_SS("bf16", "128", HF_SM90_D64, HF_SM90_OUT64(x), "%64", "%65", "%66", "%67", "%68");
@@ -114,8 +129,10 @@ __device__ __forceinline__ void mma_ss(float (&d)[kN / 8][4], uint64_t a, uint64
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(int(accumulate)), "n"(kTransB))
 template <int kN, bool kIsBf16, int kTransB>
 __device__ __forceinline__ void mma_rs(float (&d)[kN / 8][4], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
-  static_assert(kN == 64 || kN == 128, "instantiated widths");
+  static_assert(kN == 64 || kN == 128 || kN == 256, "instantiated widths");
   float* x = &d[0][0];
+  if constexpr (kN == 256 && kIsBf16) HF_SM90_RS("bf16", "256", HF_SM90_D128, HF_SM90_OUT128(x), "{%128, %129, %130, %131}", "%132", "%133", "%134");
+  if constexpr (kN == 256 && !kIsBf16) HF_SM90_RS("f16", "256", HF_SM90_D128, HF_SM90_OUT128(x), "{%128, %129, %130, %131}", "%132", "%133", "%134");
   if constexpr (kN == 64 && kIsBf16) HF_SM90_RS("bf16", "64", HF_SM90_D32, HF_SM90_OUT32(x), "{%32, %33, %34, %35}", "%36", "%37", "%38");
   if constexpr (kN == 64 && !kIsBf16) HF_SM90_RS("f16", "64", HF_SM90_D32, HF_SM90_OUT32(x), "{%32, %33, %34, %35}", "%36", "%37", "%38");
   if constexpr (kN == 128 && kIsBf16) HF_SM90_RS("bf16", "128", HF_SM90_D64, HF_SM90_OUT64(x), "{%64, %65, %66, %67}", "%68", "%69", "%70");
@@ -123,6 +140,10 @@ __device__ __forceinline__ void mma_rs(float (&d)[kN / 8][4], const uint32_t (&a
 }
 #undef HF_SM90_RS
 #undef HF_SM90_D64
+#undef HF_SM90_D128
+#undef HF_SM90_D40
+#undef HF_SM90_OUT128
+#undef HF_SM90_OUT40
 #undef HF_SM90_D32
 #undef HF_SM90_OUT64
 #undef HF_SM90_OUT32
