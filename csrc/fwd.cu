@@ -14,9 +14,9 @@ bool use_sm90(const FwdParams& p) {
 }
 
 // The Hopper kernel covers dense and varlen attention at kFwdSm90HeadDims, full, causal or within a (sliding)
-// window; softcap, ALiBi, dropout, KV-cache rows (seqused_k) and other head dims run the mma.sync kernel.
+// window, softcap too; ALiBi, dropout, KV-cache rows (seqused_k) and other head dims run the mma.sync kernel.
 bool fwd_sm90_supports(const FwdParams& p) {
-  return is_one_of(p.d, kFwdSm90HeadDims) && p.softcap == 0.f && p.alibi_slopes == nullptr && p.dropout_p == 0.f &&
+  return is_one_of(p.d, kFwdSm90HeadDims) && p.alibi_slopes == nullptr && p.dropout_p == 0.f &&
          p.seqused_k == nullptr && p.leftpad_k == nullptr;
 }
 

@@ -324,7 +324,7 @@ def test_kernel_cases_cover_the_grid():
     from hf_flash.bench import kernels
 
     full = kernels.cases(list(kernels.SETS), [64, 128], kernels.SEQLENS, kernels.LLAMA_SHAPES)
-    assert len(full) == 2 * 2 * 6 + 3 + 1 + 2 + 2 * 4 + 2 * 4 + 2 * 3 + 4
+    assert len(full) == 2 * 2 * 6 + 3 + 1 + 2 + 2 * 4 + 2 * 4 + 2 * 3 + 2 * 3 + 4
     assert len({c.name for c in full}) == len(full)  # rows are keyed by case name
     assert [(c.d, c.heads) for c in full[-4:]] == [(256, 8), (512, 4), (256, 8), (512, 4)]
     assert all(c.batch * c.seqlen == kernels.TOKENS and c.heads * c.d == kernels.HIDDEN for c in full[:24])
@@ -349,11 +349,14 @@ def test_kernel_cases_cover_the_grid():
     assert [c.dropout_p for c in drop] == [0.0, kernels.DROPOUT_P] * 3 and not any(c.rel_bias for c in drop)
     assert all(b.name == a.name + " +dropout" and b.flops("bwd") == a.flops("bwd")
                for a, b in zip(drop[::2], drop[1::2]))
+    cap = full[52:58]  # Gemma 2's shapes, each beside its twin with softcap
+    assert [c.softcap for c in cap] == [0.0, kernels.SOFTCAP] * 3 and [c.window for c in cap[::2]] == [-1, 4096, -1]
+    assert all(b.name == a.name + " +softcap" and b.flops("fwd") == a.flops("fwd") for a, b in zip(cap[::2], cap[1::2]))
     windowed = next(c for c in full if c.window == 128)
     assert windowed.flops("fwd") == 4 * (129 * 130 // 2 + 129 * (8192 - 129)) * 64 * 64  # rows 0..128 see i + 1 keys, later 129
     quick = kernels.cases(list(kernels.SETS), [64, 128], kernels.QUICK_SEQLENS, kernels.QUICK_LLAMA,
-                          kernels.QUICK_SINKS, kernels.QUICK_REL_BIAS, kernels.QUICK_DROPOUT)
-    assert len(quick) == 2 * 2 * 2 + 1 + 1 + 2 + 2 + 2 + 2 + 4
+                          kernels.QUICK_SINKS, kernels.QUICK_REL_BIAS, kernels.QUICK_DROPOUT, kernels.QUICK_SOFTCAP)
+    assert len(quick) == 2 * 2 * 2 + 1 + 1 + 2 + 2 + 2 + 2 + 2 + 4
 
 
 def test_kernel_backends_per_case():
@@ -370,6 +373,8 @@ def test_kernel_backends_per_case():
     assert ran(by_name["t5 enc 4x4k +rel_bias"]) == ["hf_flash", "sdpa-cudnn", "sdpa"]
     # FA4 has no dropout
     assert ran(by_name["t5 train enc 32x512 +dropout"]) == ["hf_flash", "sdpa-cudnn", "sdpa-flash"]
+    # SDPA has no softcap
+    assert ran(by_name["gemma2-27b 2x4k +softcap"]) == ["hf_flash", "fa4"]
     assert not kernels.runs("sdpa-math", by_name["d64 full 16k"])
     assert kernels.runs("sdpa-math", by_name["t5 enc 4x4k"])
 

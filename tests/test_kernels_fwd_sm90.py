@@ -36,7 +36,7 @@ def run_sm80(monkeypatch, fn):
     (128, (64, 0), 0.0, True), (64, (32, 32), 0.0, True),  # sliding and local windows
     (256, (-1, 0), 0.0, True),  # d256: 80-key blocks
     (96, (-1, -1), 0.0, False), (512, (-1, -1), 0.0, False),  # other head dims
-    (128, (-1, -1), 30.0, False),  # softcap
+    (128, (-1, -1), 30.0, True), (256, (4096, 0), 50.0, True),  # softcap (Gemma 2: with a sliding window)
 ])
 def test_dispatch(monkeypatch, d, window, softcap, expect_sm90):
     monkeypatch.delenv("HF_FLASH_DISABLE_SM90", raising=False)  # the mma.sync-only A/B runs set it
@@ -120,6 +120,22 @@ def test_d256_features(monkeypatch, causal, feature):
     call = lambda: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **extra)[:2]  # noqa: E731
     assert any("fwd_sm90_kernel" in n for n in forward_kernels(call))
     out, lse = call()
+    out80, lse80 = run_sm80(monkeypatch, call)
+    torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)
+
+
+# Softcap (Gemma 2: 50, with sliding windows) is a compile-time variant of every Hopper forward: persistent (up to
+# 2k keys, full or causal) and one CTA a tile. Scores of a few units against a cap of 5: tanh is far from linear.
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0)])
+@pytest.mark.parametrize("sq,sk", [(300, 1000), (2500, 2500)])
+def test_softcap(monkeypatch, d, window, sq, sk):
+    q = randn(2, sq, 4, d, dtype=torch.bfloat16, scale=3)
+    k, v = randn(2, sk, 2, d, dtype=torch.bfloat16), randn(2, sk, 2, d, dtype=torch.bfloat16)
+    call = lambda: flash_attn_func(q, k, v, window_size=window, softcap=5.0, return_attn_probs=True)[:2]  # noqa: E731
+    assert any("fwd_sm90_kernel" in n for n in forward_kernels(call))
+    out, lse = check_dense(q, k, v, window=window, softcap=5.0)
     out80, lse80 = run_sm80(monkeypatch, call)
     torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)

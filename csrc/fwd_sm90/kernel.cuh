@@ -1,5 +1,6 @@
 // FlashAttention forward on Hopper warpgroup MMA (wgmma, sm_90a), for the cases fwd_sm90_supports (csrc/fwd.cu)
-// names: causal, sliding-window or full attention, sinks, relative bias; the mma.sync kernel in fwd/ covers the rest.
+// names: causal, sliding-window or full attention, sinks, relative bias, softcap; the mma.sync kernel in fwd/ covers
+// the rest.
 //
 // A tile is kBlockM = 128 (or 192) query rows of one (batch, head); a CTA owns one tile (or, persistent, walks
 // several) and three (or four) warpgroups:
@@ -9,8 +10,8 @@
 //   consumers (240 registers; 160 with three): 64 query rows each, one m64 wgmma tile. They walk the visible key blocks
 //             from the last to the first like fwd/kernel.cuh. Per key block:
 //     S = Q K^T   wgmma, Q and K from shared memory (both K-major)
-//     relative bias, mask, online softmax in registers on the accumulator layout (the sm80 helpers: per warp the wgmma
-//                 accumulator is the mma.m16n8 C fragment repeated along N)
+//     softcap or relative bias, mask, online softmax in registers on the accumulator layout (the sm80
+//                 helpers: per warp the wgmma accumulator is the mma.m16n8 C fragment repeated along N)
 //     O += P V    wgmma, P from registers (packed from S, no shuffles), V from shared memory (MN-major:
 //                 the descriptor's transpose bit reads V's rows as B's K dimension)
 // Each consumer issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back and places the softmax of block
@@ -36,23 +37,24 @@ namespace fwd_sm90 {
 
 // kConsumers warpgroups of 64 query rows: 2, or 3 (192-row CTAs; d64 only, where their registers fit; the
 // launch picks, fwd_sm90/launch.cuh). kPersistent: one CTA per SM walks couples of tiles (sm90::FoldedTiles), its
-// producer loading a tile's Q into a second buffer under the tile before. kBias: which of the key-block walks the
-// kernel holds, without or with T5's relative bias, or both chosen at run time (fwd_sm90/launch.cuh says where).
-enum class Bias { kNone, kTable, kEither };
+// producer loading a tile's Q into a second buffer under the tile before. kScores: what the key-block walk does to
+// S before the mask: nothing, T5's relative bias or softcap (models use one at most), or a kernel holding the plain
+// and the relative-bias walks chosen at run time (fwd_sm90/launch.cuh says where).
+enum class Scores { kPlain, kRelBias, kSoftcap, kPlainOrRelBias };
 // kSnake (persistent only): the tiles dealt by sm90::SnakeTiles instead of couples (few tiles; launch.cuh). A
 // compile-time choice: the deal chosen at run time cost the couples kernel 1-2% (its code grew by 160 instructions).
-template <bool kIsBf16_, int kHeadDim_, int kConsumers_ = 2, bool kPersistent_ = false, Bias kBias_ = Bias::kEither,
-          bool kSnake_ = false>
+template <bool kIsBf16_, int kHeadDim_, int kConsumers_ = 2, bool kPersistent_ = false,
+          Scores kScores_ = Scores::kPlainOrRelBias, bool kSnake_ = false>
 struct FwdSm90Traits {
   static constexpr bool kIsBf16 = kIsBf16_;
   using T = typename tile::Elem<kIsBf16>::T;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumers = kConsumers_;
   static constexpr bool kPersistent = kPersistent_;
-  static constexpr Bias kBias = kBias_;
+  static constexpr Scores kScores = kScores_;
   static constexpr bool kSnake = kSnake_;
   static_assert(!kSnake || kPersistent_, "a deal of persistent CTAs");
-  using Snaked = FwdSm90Traits<kIsBf16_, kHeadDim_, kConsumers_, kPersistent_, kBias_, true>;  // launch.cuh's pick
+  using Snaked = FwdSm90Traits<kIsBf16_, kHeadDim_, kConsumers_, kPersistent_, kScores_, true>;  // launch.cuh's pick
   static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64 && !kPersistent_), "instantiated shapes");
   static constexpr int kThreads = (kConsumers + 1) * 128;  // + the producer warpgroup
   static constexpr int kBlockM = kConsumers * 64;       // query rows per CTA
@@ -197,7 +199,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   sm90::regs_alloc<Tr::kConsumerRegs>();
   const int wg = sm90::warpgroup_index() - 1, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // accumulator row / column pair within a warp's 16 x 8 tile
-  const float scale_log2 = p.softmax_scale_log2;
+  const float scale_log2 = p.softmax_scale_log2;  // log2(e) with softcap (applied to the scaled scores)
+  const float scale_over_cap = Tr::kScores == Scores::kSoftcap ? p.softmax_scale / p.softcap : 0.f;
   // kv_base: key blocks of the CTA's earlier tiles (the K / V ring runs on across tiles).
   for (int tile = first_tile, kv_base = 0, q_it = 0; tile < tiles; tile = next_tile(tile)) {
     const Tile tl = tile_at(tile);
@@ -244,10 +247,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // Whether every (row, key) of step it is visible. The masked steps are a prefix of the walk (the causal
     // diagonal or a window's right edge, and the partial last key block) and a suffix (a window's left edge).
     auto unmasked = [&](int it) { return w.covers(m0, tl.m_last, key0(it), key0(it) + kBlockN - 1); };
-    // On S of step it, landed; alpha for O. kMasked / kBiased are compile-time, so the loop of unmasked steps
+    // On S of step it, landed; alpha for O. `masked` and `scores` are compile-time, so the loop of unmasked steps
     // carries no mask code and no branch between the two wgmma waits.
-    auto softmax = [&](int it, auto masked, auto biased) {
-      if constexpr (decltype(biased)::value) {
+    auto softmax = [&](int it, auto masked, auto scores) {
+      if constexpr (decltype(scores)::value == Scores::kSoftcap) fwd::apply_softcap(s, p.softcap, scale_over_cap);
+      if constexpr (decltype(scores)::value == Scores::kRelBias) {
         fwd::add_rel_bias(s, rb, fwd::kLog2e / scale_log2, row0 - g, row0 - g + 15, key0(it), t, row_of);
       }
       if constexpr (decltype(masked)::value) fwd::apply_mask(s, w, key0(it), t, row_of);
@@ -275,7 +279,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     // One step of the walk (it >= 1): S_it = Q K_it^T and O += P_{it-1} V_{it-1} back to back, the softmax of
     // S_it between the waits for the two, O rescaled once the second has landed.
-    auto step = [&](int it, auto masked, auto biased) {
+    auto step = [&](int it, auto masked, auto scores) {
       sm90::fence_operand(o);
       sm90::fence_operand(p_frag);
       await_turn();
@@ -285,7 +289,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::wait<1>();  // S landed; P V may still run
       sm90::fence_operand(s);
       sm90::mbar_arrive(k_empty(stage_of(it)));
-      softmax(it, masked, biased);
+      softmax(it, masked, scores);
       sm90::wait<0>();
       sm90::fence_operand(o);
       sm90::fence_operand(p_frag);
@@ -293,23 +297,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       fwd::rescale_o<Tr>(o, alpha);
       fwd::pack_p<Tr>(p_frag, s);
     };
-    auto walk = [&](auto biased) {
+    auto walk = [&](auto scores) {
       if (steps == 0) return;
       issue_qk(0);
       sm90::wait<0>();
       sm90::fence_operand(s);
       sm90::mbar_arrive(k_empty(stage_of(0)));
-      if (unmasked(0)) softmax(0, std::false_type{}, biased);  // O is still 0: no rescale
-      else softmax(0, std::true_type{}, biased);
+      if (unmasked(0)) softmax(0, std::false_type{}, scores);  // O is still 0: no rescale
+      else softmax(0, std::true_type{}, scores);
       fwd::pack_p<Tr>(p_frag, s);
       start_turns();
       // The masked steps one at a time, the unmasked ones in a loop of their own (one instance of each step: a
       // third for the window's left edge made ptxas spill with three consumer warpgroups).
       for (int it = 1; it < steps;) {
         if (!unmasked(it)) {
-          step(it++, std::true_type{}, biased);
+          step(it++, std::true_type{}, scores);
         } else {
-          for (; it < steps && unmasked(it); ++it) step(it, std::false_type{}, biased);
+          for (; it < steps && unmasked(it); ++it) step(it, std::false_type{}, scores);
         }
       }
       sm90::fence_operand(o);
@@ -320,11 +324,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::mbar_arrive(v_empty(stage_of(steps - 1)));  // the next tile's loads reuse the stage
     };
     sm90::mbar_wait(q_full(buf), q_phase);
-    if constexpr (Tr::kBias == Bias::kEither) {
-      if (rb.table) walk(std::true_type{});
-      else walk(std::false_type{});
+    if constexpr (Tr::kScores == Scores::kPlainOrRelBias) {
+      if (rb.table) walk(std::integral_constant<Scores, Scores::kRelBias>{});
+      else walk(std::integral_constant<Scores, Scores::kPlain>{});
     } else {
-      walk(std::bool_constant<Tr::kBias == Bias::kTable>{});
+      walk(std::integral_constant<Scores, Tr::kScores>{});
     }
     kv_base += steps;
 

@@ -74,32 +74,34 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 // causal 1k 1.14x (docs/design/forward-sm90.md). Windowed, packed and KV-cache rows keep one CTA a tile. Three
 // persistent consumers (160 registers) measured 0.84-1.00x the kernels used here at d64 up to 2k keys.
 constexpr int kPersistentKeys = 2048, kPersistentKeysD64Full = 1024;
-template <bool kIsBf16, int kHeadDim, fwd_sm90::Bias kBias>
+template <bool kIsBf16, int kHeadDim, fwd_sm90::Scores kScores>
 cudaError_t run_fwd_sm90_shape(const FwdParams& p, cudaStream_t stream) {
   // Tiles whose work is equal (full attention) or falls linearly with the query block (causal): couples balance.
   const bool causal = p.window_right == 0;
   const bool linear_work = p.window_left < 0 && p.window_right <= 0 && !p.cu_seqlens_q && !p.seqused_k;
   if constexpr (kHeadDim <= 128) {  // d256 has no room for a second Q buffer
     if (linear_work && p.seqlen_k <= (kHeadDim == 64 && !causal ? kPersistentKeysD64Full : kPersistentKeys)) {
-      return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kBias>>(p, stream);
+      return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kScores>>(p, stream);
     }
   }
-  if constexpr (kHeadDim == 64) {
+  if constexpr (kHeadDim == 64 && kScores != fwd_sm90::Scores::kSoftcap) {  // softcap at d64: two consumers
     if (!causal || p.seqlen_q > 1024) {
       return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, 64, 3, false>>(p, stream);
     }
   }
-  return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, false, kBias>>(p, stream);
+  return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, false, kScores>>(p, stream);
 }
-// The two-consumer kernels hold one walk each, with or without T5's relative bias: with both (chosen at run
-// time) the d128 persistent kernel was 7672 SASS instructions against 4144, and at S = 512 its warps lost 6-8% of
-// their samples waiting for instructions (cuDNN 1.4%); split, S = 512 ran 1.00-1.02x. The d64 three-consumer
-// kernel keeps both: with one, ptxas spilled in its epilogue and it ran 0.95-0.97x (docs/design/forward-sm90.md).
+// The two-consumer kernels hold one walk each: plain, with T5's relative bias or with softcap. With the first two
+// (chosen at run time) the d128 persistent kernel was 7672 SASS instructions against 4144, and at S = 512 its
+// warps lost 6-8% of their samples waiting for instructions (cuDNN 1.4%); split, S = 512 ran 1.00-1.02x. The d64
+// three-consumer kernel keeps plain and bias: with one, ptxas spilled in its epilogue and it ran 0.95-0.97x
+// (docs/design/forward-sm90.md).
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
-  using fwd_sm90::Bias;
-  return p.rel_bias ? run_fwd_sm90_shape<kIsBf16, kHeadDim, Bias::kTable>(p, stream)
-                    : run_fwd_sm90_shape<kIsBf16, kHeadDim, Bias::kNone>(p, stream);
+  using fwd_sm90::Scores;
+  return p.rel_bias         ? run_fwd_sm90_shape<kIsBf16, kHeadDim, Scores::kRelBias>(p, stream)
+         : p.softcap > 0.f  ? run_fwd_sm90_shape<kIsBf16, kHeadDim, Scores::kSoftcap>(p, stream)
+                            : run_fwd_sm90_shape<kIsBf16, kHeadDim, Scores::kPlain>(p, stream);
 }
 
 }  // namespace hf_flash

@@ -65,23 +65,24 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def dense(backend: str, causal: bool, window: int = -1, dropout_p: float = 0.0):
+def dense(backend: str, causal: bool, window: int = -1, dropout_p: float = 0.0, softcap: float = 0.0):
     """f(q, k, v, sinks=None, rel_bias=None) -> out on (B, S, H, D); k/v may have fewer heads (GQA); ``window``
     >= 0 limits each query to that many earlier keys (causal sliding window); ``sinks`` are learned per-head
     logits (gpt-oss); ``rel_bias`` is T5's relative position bias in the backend's form (``rel_bias_input``);
-    ``dropout_p`` drops attention probabilities as in training. SDPA has no window or sinks, FA4 no relative bias
-    or dropout (NotImplementedError)."""
+    ``dropout_p`` drops attention probabilities as in training; ``softcap`` > 0 caps the scores (Gemma 2). SDPA has
+    no window, sinks or softcap, FA4 no relative bias or dropout (NotImplementedError)."""
     if backend == "hf_flash":
         from hf_flash import flash_attn_func
 
         return lambda q, k, v, sinks=None, rel_bias=None: flash_attn_func(
-            q, k, v, dropout_p=dropout_p, causal=causal, window_size=(window, -1), learnable_sink=sinks,
-            rel_bias=rel_bias)
+            q, k, v, dropout_p=dropout_p, causal=causal, window_size=(window, -1), softcap=softcap,
+            learnable_sink=sinks, rel_bias=rel_bias)
     if backend == FA4:
         if dropout_p:
             raise NotImplementedError(f"{FA4} has no attention dropout")
         func = fa4()[0]
         extra = {"window_size": (window, None)} if window >= 0 else {}
+        extra.update({"softcap": softcap} if softcap else {})
 
         def fa4_dense(q, k, v, sinks=None, rel_bias=None):
             if rel_bias is not None:
@@ -91,6 +92,8 @@ def dense(backend: str, causal: bool, window: int = -1, dropout_p: float = 0.0):
         return fa4_dense
     if window >= 0:
         raise NotImplementedError(f"{backend}: no sliding window without a materialised mask")
+    if softcap:
+        raise NotImplementedError(f"{backend} has no softcap")
     context = _sdpa_context(backend)
 
     def sdpa(q, k, v, sinks=None, rel_bias=None):

@@ -56,6 +56,12 @@ REL_BIAS_SHAPES = (("t5-base enc 32x512", 32, 512, 12, 12, 64, False),
                    ("t5 enc 4x4k", 4, 4096, 12, 12, 64, False), ("t5 d128 dec 2x4k", 2, 4096, 32, 32, 128, True))
 QUICK_REL_BIAS = REL_BIAS_SHAPES[:1]
 REL_BIAS_RADIUS = 128  # T5's max_distance: every distance past it reads the table's last column
+# (name, batch, seqlen, heads, kv_heads, d, window): Gemma 2's layers (9b: 16 / 8 heads, d256, every other layer a
+# 4096-key window; 27b: 32 / 16, d128), causal, scores capped at SOFTCAP
+SOFTCAP_SHAPES = (("gemma2-9b 4x2k", 4, 2048, 16, 8, 256, -1), ("gemma2-9b 1x8k w4k", 1, 8192, 16, 8, 256, 4096),
+                  ("gemma2-27b 2x4k", 2, 4096, 32, 16, 128, -1))
+QUICK_SOFTCAP = SOFTCAP_SHAPES[:1]
+SOFTCAP = 50.0  # Gemma 2's attn_logit_softcapping
 # (name, batch, seqlen, heads, kv_heads, d, causal): T5 fine-tuning keeps its default attention dropout, which the
 # Hopper kernels do not carry (the mma.sync ones run it), and a d128 decoder shape
 # (names unlike the rel_bias pairs': rows are keyed by name)
@@ -65,7 +71,7 @@ QUICK_DROPOUT = DROPOUT_SHAPES[:1]
 DROPOUT_P = 0.1  # T5's dropout_rate
 # The features measured beside their twin without ("<twin> +<feature>"), and their cost tables' titles
 FEATURES = {"sinks": "learned sinks", "rel_bias": f"relative position bias (R = {REL_BIAS_RADIUS})",
-            "dropout": f"attention dropout (p = {DROPOUT_P})"}
+            "dropout": f"attention dropout (p = {DROPOUT_P})", "softcap": f"softcap ({SOFTCAP:g})"}
 TWIN = " +"
 LARGE_D = (256, 512)  # head dims of the "d512" set: Gemma 4's global layers against the largest other kernel
 # The attention layer of the e2e benchmark's small model (SmolLM2-135M: 9 / 3 heads, d64, causal) at its two batch
@@ -105,6 +111,10 @@ class Case:
     @property
     def dropout_p(self) -> float:  # attention dropout, DROPOUT_P on the featured twin
         return DROPOUT_P if self.featured and self.feature == "dropout" else 0.0
+
+    @property
+    def softcap(self) -> float:  # Gemma 2's score cap, SOFTCAP on the featured twin
+        return SOFTCAP if self.featured and self.feature == "softcap" else 0.0
 
     def flops(self, mode: str) -> float:
         if self.window >= 0:
@@ -149,7 +159,8 @@ def _twins(feature: str, plain: list[Case]) -> list[Case]:
 
 
 def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple, sinks: tuple = SINK_SHAPES,
-          rel_bias: tuple = REL_BIAS_SHAPES, dropout: tuple = DROPOUT_SHAPES) -> list[Case]:
+          rel_bias: tuple = REL_BIAS_SHAPES, dropout: tuple = DROPOUT_SHAPES,
+          softcap: tuple = SOFTCAP_SHAPES) -> list[Case]:
     out = []
     if "grid" in sets:
         out += [Case(f"d{d} {'causal' if c else 'full'} {_size(s)}", TOKENS // s, s, HIDDEN // d, HIDDEN // d, d, c)
@@ -167,6 +178,8 @@ def cases(sets: list[str], head_dims: list[int], seqlens: tuple, llama: tuple, s
         out += _twins("rel_bias", [Case(name, b, s, h, hk, d, c) for name, b, s, h, hk, d, c in rel_bias])
     if "dropout" in sets:
         out += _twins("dropout", [Case(name, b, s, h, hk, d, c) for name, b, s, h, hk, d, c in dropout])
+    if "softcap" in sets:
+        out += _twins("softcap", [Case(name, b, s, h, hk, d, True, window=w) for name, b, s, h, hk, d, w in softcap])
     if "d512" in sets:  # same tokens and H*D as the grid, S = 4k
         out += [Case(f"d{d} {'causal' if c else 'full'} 4k", TOKENS // 4096, 4096, HIDDEN // d, HIDDEN // d, d, c)
                 for c in (False, True) for d in LARGE_D]
@@ -219,7 +232,7 @@ def _backend_inputs(name: str, case: Case, inputs: dict) -> dict:
 
 def _attention(backend: str, case: Case):
     if not case.docs:
-        return B.dense(backend, case.causal, case.window, case.dropout_p)
+        return B.dense(backend, case.causal, case.window, case.dropout_p, case.softcap)
     cu = torch.tensor([0, *torch.tensor(case.docs).cumsum(0).tolist()], dtype=torch.int32, device=B.DEVICE)
     return B.varlen(backend, case.causal, cu, max(case.docs))
 
@@ -237,13 +250,13 @@ def _call(mode: str, attn, inputs: dict, dout):
 
 def runs(name: str, case: Case) -> bool:
     """Whether backend ``name`` is measured on ``case``: sdpa-math materialises B*H*S^2 scores (up to
-    MATH_MAX_SEQLEN); SDPA has no sinks or windows, and sdpa-flash takes no mask; FA4 has no relative bias or
-    dropout;
+    MATH_MAX_SEQLEN); SDPA has no sinks, softcap or windows, and sdpa-flash takes no mask; FA4 has no relative
+    bias or dropout;
     SDPA's own pick (what transformers runs) is measured in the rel_bias pairs, where it picks by the mask,
     and nowhere else: without a mask it picks one of the forced columns."""
     if name == "sdpa-math" and case.seqlen > MATH_MAX_SEQLEN:
         return False
-    if name in (*B.SDPA, B.SDPA_DEFAULT) and (case.sinks or case.window >= 0):
+    if name in (*B.SDPA, B.SDPA_DEFAULT) and (case.sinks or case.softcap or case.window >= 0):
         return False
     if name == B.SDPA_DEFAULT and case.feature != "rel_bias":
         return False
@@ -431,7 +444,7 @@ def run(args) -> None:
     seqlens = tuple(int(s) for s in split(args.seqlens)) or (QUICK_SEQLENS if args.quick else SEQLENS)
     grid = cases(sets, [int(d) for d in split(args.head_dims)], seqlens, QUICK_LLAMA if args.quick else LLAMA_SHAPES,
                  QUICK_SINKS if args.quick else SINK_SHAPES, QUICK_REL_BIAS if args.quick else REL_BIAS_SHAPES,
-                 QUICK_DROPOUT if args.quick else DROPOUT_SHAPES)
+                 QUICK_DROPOUT if args.quick else DROPOUT_SHAPES, QUICK_SOFTCAP if args.quick else SOFTCAP_SHAPES)
     timer = CallTimer()
     rows, errors, env = [], {}, results.environment()
     for case in tqdm(grid, desc="kernels", unit="case"):
