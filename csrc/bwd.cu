@@ -7,11 +7,11 @@ namespace hf_flash {
 
 size_t bwd_workspace_bytes(const BwdParams& p) { return bwd::WorkspaceLayout(p).bytes; }
 
-// The Hopper kernel covers kBwdSm90HeadDims, dense and varlen, full, causal or within a (sliding) window, with or
-// without a relative bias, deterministic or not; softcap, ALiBi, dropout and other head dims run the mma.sync
+// The Hopper kernel covers kBwdSm90HeadDims, dense and varlen, full, causal or within a (sliding) window, with a
+// relative bias or softcap or neither, deterministic or not; ALiBi, dropout and other head dims run the mma.sync
 // kernels.
 bool bwd_sm90_supports(const BwdParams& p) {
-  return is_one_of(p.d, kBwdSm90HeadDims) && p.softcap <= 0.f && !p.alibi_slopes && p.dropout_p <= 0.f;
+  return is_one_of(p.d, kBwdSm90HeadDims) && !p.alibi_slopes && p.dropout_p <= 0.f;
 }
 
 #ifndef HF_FLASH_DISABLE_BACKWARD

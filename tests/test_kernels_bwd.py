@@ -234,6 +234,20 @@ def test_grads_long_windows(d, case):
     _check(*_dense_case(1, sq, sk, 4, 2, d, torch.bfloat16, False, window, 0.0, False))
 
 
+# Softcap (Gemma 2) on the Hopper kernel's head dims: a cap of 2 against scores of a few units (tanh far from
+# linear, so dS takes its 1 - tanh^2), full, causal with fully masked rows, and a sliding window; deterministic too.
+SOFTCAP_CASES = [(1000, 1000, (-1, -1), False), (1100, 517, (-1, 0), False), (700, 1100, (127, 0), True)]
+
+
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: f"sq{c[0]}-sk{c[1]}-w{c[2][0]}_{c[2][1]}-det{int(c[3])}")
+def test_grads_long_softcap(d, case):
+    sq, sk, window, deterministic = case
+    causal = window == (-1, 0)
+    _check(*_dense_case(1, sq, sk, 4, 2, d, torch.bfloat16, causal, window, 2.0, False,
+                        deterministic=deterministic))
+
+
 def _bwd_kernel_names(args, deterministic=False):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.ops.hf_flash.bwd(*args, deterministic)
@@ -241,13 +255,14 @@ def _bwd_kernel_names(args, deterministic=False):
     return {e.key for e in prof.key_averages()}
 
 
-@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
-def test_sm90_kernel_selected(d, causal, monkeypatch):
+@pytest.mark.parametrize("d,causal,softcap", [(64, False, 0.0), (128, True, 0.0), (128, False, 30.0)])
+def test_sm90_kernel_selected(d, causal, softcap, monkeypatch):
     """On CC 9.0 the wgmma kernel runs the supported cases; HF_FLASH_DISABLE_SM90=1 switches back to csrc/bwd."""
     monkeypatch.delenv("HF_FLASH_DISABLE_SM90", raising=False)  # the mma.sync-only A/B runs set it
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Hopper backward kernel runs on compute capability 9.0 only")
     args = _bwd_args(1, 300, 4, 2, d, causal)
+    args = (*args[:14], softcap, *args[15:])  # the backward's softcap argument
     assert any(f"bwd_sm90::bwd_sm90_kernel<true, {d}," in name for name in _bwd_kernel_names(args))
     monkeypatch.setenv("HF_FLASH_DISABLE_SM90", "1")
     names = _bwd_kernel_names(args)

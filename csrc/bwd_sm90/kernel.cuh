@@ -1,5 +1,5 @@
-// FlashAttention backward main kernel on Hopper (sm_90a), warp-specialised, d64 and d128 (a relative bias, windows
-// too), no softcap / ALiBi / dropout (csrc/bwd handles those and every other GPU); deterministic mode orders the dQ
+// FlashAttention backward main kernel on Hopper (sm_90a), warp-specialised, d64 and d128 (a relative bias, softcap,
+// windows too), no ALiBi / dropout (csrc/bwd handles those and every other GPU); deterministic mode orders the dQ
 // additions with a counter per query block (below). Same preprocess, fp32 dQ
 // accumulator, convert kernel and LSE / D conventions as csrc/bwd (attn/bwd_common.cuh; csrc/bwd.cu picks the kernel).
 //
@@ -87,13 +87,15 @@ struct TmaMaps {
   CUtensorMap q, dout, k, v, dq_acc;
 };
 
-// kRelBias: T5's relative bias and its gradient (p.rel_bias). A kernel of its own: the bias's registers in the
-// kernel without it made ptxas serialise the d128 wgmmas.
-template <bool kIsBf16, int kHeadDim, bool kRelBias>
-__global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kThreads, 1)
+// kScores (flash.h): T5's relative bias and its gradient (p.rel_bias), softcap (p.softcap) or neither, each a
+// kernel of its own: the bias's registers in the kernel without it made ptxas serialise the d128 wgmmas.
+template <bool kIsBf16, int kHeadDim, Scores kScores>
+__global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Scores::kRelBias>::kThreads, 1)
     bwd_sm90_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
                 const float* __restrict__ dsum, int* __restrict__ dq_order, int group) {
 #ifdef HF_SM90_ENABLED
+  constexpr bool kRelBias = kScores == Scores::kRelBias, kSoftcap = kScores == Scores::kSoftcap;
+  static_assert(kScores != Scores::kPlainOrRelBias, "one walk a backward kernel");
   using Tr = BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>;
   constexpr int kD = kHeadDim, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
   constexpr int kQBytes = Tr::kQBytes;
@@ -269,9 +271,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     // samples, ncu). Column group j (rows 8 j + 2 t, + 1) is needed by the 8 lanes of one t. d128 loads all 8 groups
     // of LSE (its D loads go under dV's issue). d64 (16 groups, one pass) loads groups g and g + 8 of both and takes
     // group j from lane 4 (j % 8) + t with shuffles (kShuffle): 8 lanes loading the same values made 268 M
-    // shared-memory wavefronts at full 16k, 18% of the kernel's (docs/design/backward-sm90.md). The d64 bias kernel
-    // has no registers for that (ptxas spilled 172 bytes): it loads its first 2 groups here, the rest in the pass.
-    constexpr bool kShuffle = Tr::kOnePass && !kRelBias;
+    // shared-memory wavefronts at full 16k, 18% of the kernel's (docs/design/backward-sm90.md). The d64 bias and
+    // softcap kernels have no registers for that (ptxas spilled 172 bytes): they load their first 2 groups here, the
+    // rest in the pass.
+    constexpr bool kShuffle = Tr::kOnePass && kScores == Scores::kPlain;
     constexpr int kLoaded = Tr::kOnePass ? 2 : kBlockM / 8;
     float2 lse2_pre[kLoaded], dsum_pre[kLoaded] = {};  // (d128 sets dsum_pre after dV's issue)
     auto lse2_load = [&](int j) { return *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t); };
@@ -329,6 +332,19 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
     auto dsum_of = [&](int j) {
       if constexpr (kShuffle) return shuffled(dsum_pre[j / 8], j);
       else return j < kLoaded ? dsum_pre[j] : dsum_load(j);
+    };
+    // Softcap: the logits of group j capped in place (softcap tanh(s scale / softcap); the scale is then log2(e)), and
+    // d cap / d s / scale = 1 - tanh^2 into dtanh, which dS^T takes on (the P^T of dV stays uncapped by it).
+    [[maybe_unused]] const float scale_over_cap = kSoftcap ? p.softmax_scale / p.softcap : 0.f;
+    auto cap_logits = [&](int j, float (&dtanh)[4]) {
+      if constexpr (kSoftcap) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const float th = tile::fast_tanh(s[j][r] * scale_over_cap);
+          s[j][r] = p.softcap * th;
+          dtanh[r] = 1.f - th * th;
+        }
+      }
     };
     auto prob = [&](int j, int r, float lse2) {
       const int c = 8 * j + r % 2;
@@ -388,11 +404,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         const float2 l2 = lse2_of(j), dsc = dsum_of(j);
-        float ds[4];
+        float ds[4], dtanh[4];
+        cap_logits(j, dtanh);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           s[j][r] = prob(j, r, lse2_at(j, r, l2));
           ds[r] = grad_logit(j, r, dsc);
+          if constexpr (kSoftcap) ds[r] *= dtanh[r];
         }
         if constexpr (kRelBias) rel.step(j, ds);
         pack_p(j);
@@ -404,9 +422,15 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>::kT
 #pragma unroll
       for (int j = 0; j < kBlockM / 8; ++j) {
         const float2 l2 = lse2_of(j);
+        float dtanh[4];
+        cap_logits(j, dtanh);
 #pragma unroll
         for (int r = 0; r < 4; ++r) s[j][r] = prob(j, r, lse2_at(j, r, l2));
         pack_p(j);
+        if constexpr (kSoftcap) {  // P^T (1 - tanh^2) from here on: the dS^T pass multiplies by it
+#pragma unroll
+          for (int r = 0; r < 4; ++r) s[j][r] *= dtanh[r];
+        }
       }
       issue_dv();  // now, so that it runs under the dS^T arithmetic
 #pragma unroll

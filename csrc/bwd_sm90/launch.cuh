@@ -11,10 +11,10 @@ namespace hf_flash {
 // kernel, cudaErrorNotSupported when the driver cannot describe the tensors to TMA (e.g. strides that are not
 // multiples of 16 bytes); run_bwd then runs the mma.sync backward.
 namespace bwd_sm90 {
-template <bool kIsBf16, int kHeadDim, bool kRelBias>
+template <bool kIsBf16, int kHeadDim, Scores kScores>
 cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
-  using Tr = BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>;
-  auto kernel = &bwd_sm90_kernel<kIsBf16, kHeadDim, kRelBias>;
+  using Tr = BwdSm90Traits<kIsBf16, kHeadDim, kScores == Scores::kRelBias>;
+  auto kernel = &bwd_sm90_kernel<kIsBf16, kHeadDim, kScores>;
   static const bool has_sm90a = sm90::has_sm90a_code(kernel);
   if (!has_sm90a) return cudaErrorNoKernelImageForDevice;
   bwd::BwdWorkspace ws(p);
@@ -67,8 +67,9 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
 
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
-  return p.rel_bias ? bwd_sm90::launch<kIsBf16, kHeadDim, true>(p, stream)
-                    : bwd_sm90::launch<kIsBf16, kHeadDim, false>(p, stream);
+  return p.rel_bias         ? bwd_sm90::launch<kIsBf16, kHeadDim, Scores::kRelBias>(p, stream)
+         : p.softcap > 0.f  ? bwd_sm90::launch<kIsBf16, kHeadDim, Scores::kSoftcap>(p, stream)
+                            : bwd_sm90::launch<kIsBf16, kHeadDim, Scores::kPlain>(p, stream);
 }
 
 }  // namespace hf_flash

@@ -38,9 +38,7 @@ namespace fwd_sm90 {
 // kConsumers warpgroups of 64 query rows: 2, or 3 (192-row CTAs; d64 only, where their registers fit; the
 // launch picks, fwd_sm90/launch.cuh). kPersistent: one CTA per SM walks couples of tiles (sm90::FoldedTiles), its
 // producer loading a tile's Q into a second buffer under the tile before. kScores: what the key-block walk does to
-// S before the mask: nothing, T5's relative bias or softcap (models use one at most), or a kernel holding the plain
-// and the relative-bias walks chosen at run time (fwd_sm90/launch.cuh says where).
-enum class Scores { kPlain, kRelBias, kSoftcap, kPlainOrRelBias };
+// S before the mask (flash.h).
 // kSnake (persistent only): the tiles dealt by sm90::SnakeTiles instead of couples (few tiles; launch.cuh). A
 // compile-time choice: the deal chosen at run time cost the couples kernel 1-2% (its code grew by 160 instructions).
 template <bool kIsBf16_, int kHeadDim_, int kConsumers_ = 2, bool kPersistent_ = false,
@@ -200,7 +198,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int wg = sm90::warpgroup_index() - 1, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // accumulator row / column pair within a warp's 16 x 8 tile
   const float scale_log2 = p.softmax_scale_log2;  // log2(e) with softcap (applied to the scaled scores)
-  const float scale_over_cap = Tr::kScores == Scores::kSoftcap ? p.softmax_scale / p.softcap : 0.f;
+  [[maybe_unused]] const float scale_over_cap = Tr::kScores == Scores::kSoftcap ? p.softmax_scale / p.softcap : 0.f;
   // kv_base: key blocks of the CTA's earlier tiles (the K / V ring runs on across tiles).
   for (int tile = first_tile, kv_base = 0, q_it = 0; tile < tiles; tile = next_tile(tile)) {
     const Tile tl = tile_at(tile);

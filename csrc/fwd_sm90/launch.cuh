@@ -74,7 +74,7 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 // causal 1k 1.14x (docs/design/forward-sm90.md). Windowed, packed and KV-cache rows keep one CTA a tile. Three
 // persistent consumers (160 registers) measured 0.84-1.00x the kernels used here at d64 up to 2k keys.
 constexpr int kPersistentKeys = 2048, kPersistentKeysD64Full = 1024;
-template <bool kIsBf16, int kHeadDim, fwd_sm90::Scores kScores>
+template <bool kIsBf16, int kHeadDim, Scores kScores>
 cudaError_t run_fwd_sm90_shape(const FwdParams& p, cudaStream_t stream) {
   // Tiles whose work is equal (full attention) or falls linearly with the query block (causal): couples balance.
   const bool causal = p.window_right == 0;
@@ -84,7 +84,7 @@ cudaError_t run_fwd_sm90_shape(const FwdParams& p, cudaStream_t stream) {
       return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kScores>>(p, stream);
     }
   }
-  if constexpr (kHeadDim == 64 && kScores != fwd_sm90::Scores::kSoftcap) {  // softcap at d64: two consumers
+  if constexpr (kHeadDim == 64 && kScores != Scores::kSoftcap) {  // softcap at d64: two consumers
     if (!causal || p.seqlen_q > 1024) {
       return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, 64, 3, false>>(p, stream);
     }
@@ -98,7 +98,6 @@ cudaError_t run_fwd_sm90_shape(const FwdParams& p, cudaStream_t stream) {
 // (docs/design/forward-sm90.md).
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
-  using fwd_sm90::Scores;
   return p.rel_bias         ? run_fwd_sm90_shape<kIsBf16, kHeadDim, Scores::kRelBias>(p, stream)
          : p.softcap > 0.f  ? run_fwd_sm90_shape<kIsBf16, kHeadDim, Scores::kSoftcap>(p, stream)
                             : run_fwd_sm90_shape<kIsBf16, kHeadDim, Scores::kPlain>(p, stream);
