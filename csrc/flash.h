@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 namespace hf_flash {
@@ -101,6 +102,14 @@ struct FwdParams {
   float* __restrict__ o_accum;
   float* __restrict__ lse_accum;
 };
+
+// The Scores instance a call's params pick (FwdParams or BwdParams): run(std::integral_constant<Scores, S>{}).
+template <class Params, class Run>
+cudaError_t run_for_scores(const Params& p, Run run) {
+  if (p.rel_bias) return run(std::integral_constant<Scores, Scores::kRelBias>{});
+  if (p.softcap > 0.f) return run(std::integral_constant<Scores, Scores::kSoftcap>{});
+  return run(std::integral_constant<Scores, Scores::kPlain>{});
+}
 
 struct BwdParams : FwdParams {
   const void* __restrict__ dout;  // like o

@@ -67,9 +67,9 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
 
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
-  return p.rel_bias         ? bwd_sm90::launch<kIsBf16, kHeadDim, Scores::kRelBias>(p, stream)
-         : p.softcap > 0.f  ? bwd_sm90::launch<kIsBf16, kHeadDim, Scores::kSoftcap>(p, stream)
-                            : bwd_sm90::launch<kIsBf16, kHeadDim, Scores::kPlain>(p, stream);
+  return run_for_scores(p, [&](auto scores) {
+    return bwd_sm90::launch<kIsBf16, kHeadDim, decltype(scores)::value>(p, stream);
+  });
 }
 
 }  // namespace hf_flash

@@ -98,9 +98,9 @@ cudaError_t run_fwd_sm90_shape(const FwdParams& p, cudaStream_t stream) {
 // (docs/design/forward-sm90.md).
 template <bool kIsBf16, int kHeadDim>
 cudaError_t run_fwd_sm90_hdim(const FwdParams& p, cudaStream_t stream) {
-  return p.rel_bias         ? run_fwd_sm90_shape<kIsBf16, kHeadDim, Scores::kRelBias>(p, stream)
-         : p.softcap > 0.f  ? run_fwd_sm90_shape<kIsBf16, kHeadDim, Scores::kSoftcap>(p, stream)
-                            : run_fwd_sm90_shape<kIsBf16, kHeadDim, Scores::kPlain>(p, stream);
+  return run_for_scores(p, [&](auto scores) {
+    return run_fwd_sm90_shape<kIsBf16, kHeadDim, decltype(scores)::value>(p, stream);
+  });
 }
 
 }  // namespace hf_flash
