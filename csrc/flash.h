@@ -20,7 +20,7 @@ constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256, 512};
 constexpr int kMaxHeadDim = kHeadDims[sizeof(kHeadDims) / sizeof(kHeadDims[0]) - 1];
 // The head dims of the Hopper (wgmma) forward and backward (the generator reads these lines too).
 constexpr int kFwdSm90HeadDims[] = {64, 128, 256};
-constexpr int kBwdSm90HeadDims[] = {64, 128};
+constexpr int kBwdSm90HeadDims[] = {64, 128, 256};
 // What a Hopper kernel instance does to the scores before the mask, a compile-time variant picked by the params'
 // rel_bias and softcap (no model combines them): nothing, T5's relative bias, softcap; kPlainOrRelBias is a
 // forward instance holding the first two, chosen at run time (fwd_sm90/launch.cuh says where).

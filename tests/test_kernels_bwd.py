@@ -94,7 +94,7 @@ def test_grads_dropout(d, causal):
     _check(*_dense_case(2, 177, 211, 4, 2, d, torch.bfloat16, causal, (-1, -1), 0.0, False, dropout_p=0.17))
 
 
-@pytest.mark.parametrize("d,causal,hk", [(64, False, 4), (128, True, 2), (96, True, 1)])
+@pytest.mark.parametrize("d,causal,hk", [(64, False, 4), (128, True, 2), (96, True, 1), (256, True, 2)])
 def test_grads_varlen(d, causal, hk):
     h, dtype = 4, torch.bfloat16
     lens_q = torch.randint(1, 300, (5,)).tolist()
@@ -208,13 +208,13 @@ def test_cuda_graph_fwd_bwd(d):
             torch.testing.assert_close(ours, ref, atol=0, rtol=0)
 
 
-# Longer sequences at the head dims of the Hopper kernel (csrc/bwd_sm90, d64/d128, causal or not): several key
+# Longer sequences at the head dims of the Hopper kernel (csrc/bwd_sm90, d64/d128/d256, causal or not): several key
 # blocks, many query blocks per key block, the GQA head loop, fully masked rows (sq > sk, causal).
 LONG_CASES = [(1000, 1000, 4, 4, True), (517, 1100, 4, 1, False), (1100, 517, 6, 2, True), (64, 2000, 2, 2, True)]
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 @pytest.mark.parametrize("case", LONG_CASES, ids=lambda c: f"sq{c[0]}-sk{c[1]}-h{c[2]}/{c[3]}-causal{int(c[4])}")
 def test_grads_long(d, dtype, case):
     sq, sk, h, hk, causal = case
@@ -227,7 +227,7 @@ WINDOW_CASES = [(1000, 1000, (200, 0)), (700, 1100, (64, 64)), (1100, 700, (127,
                 (300, 900, (-1, 100))]
 
 
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"sq{c[0]}-sk{c[1]}-w{c[2][0]}_{c[2][1]}")
 def test_grads_long_windows(d, case):
     sq, sk, window = case
@@ -239,7 +239,7 @@ def test_grads_long_windows(d, case):
 SOFTCAP_CASES = [(1000, 1000, (-1, -1), False), (1100, 517, (-1, 0), False), (700, 1100, (127, 0), True)]
 
 
-@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("d", (64, 128, 256))
 @pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: f"sq{c[0]}-sk{c[1]}-w{c[2][0]}_{c[2][1]}-det{int(c[3])}")
 def test_grads_long_softcap(d, case):
     sq, sk, window, deterministic = case
@@ -255,7 +255,7 @@ def _bwd_kernel_names(args, deterministic=False):
     return {e.key for e in prof.key_averages()}
 
 
-@pytest.mark.parametrize("d,causal,softcap", [(64, False, 0.0), (128, True, 0.0), (128, False, 30.0)])
+@pytest.mark.parametrize("d,causal,softcap", [(64, False, 0.0), (128, True, 0.0), (128, False, 30.0), (256, True, 0.0)])
 def test_sm90_kernel_selected(d, causal, softcap, monkeypatch):
     """On CC 9.0 the wgmma kernel runs the supported cases; HF_FLASH_DISABLE_SM90=1 switches back to csrc/bwd."""
     monkeypatch.delenv("HF_FLASH_DISABLE_SM90", raising=False)  # the mma.sync-only A/B runs set it
@@ -266,7 +266,8 @@ def test_sm90_kernel_selected(d, causal, softcap, monkeypatch):
     assert any(f"bwd_sm90::bwd_sm90_kernel<true, {d}," in name for name in _bwd_kernel_names(args))
     monkeypatch.setenv("HF_FLASH_DISABLE_SM90", "1")
     names = _bwd_kernel_names(args)
-    assert not any("bwd_sm90" in name for name in names) and any("bwd::bwd_kernel" in name for name in names)
+    mma_sync = "bwd::bwd_large_d_kernel" if d > 128 else "bwd::bwd_kernel"  # csrc/bwd: kernel_large_d.cuh past d128
+    assert not any("bwd_sm90" in name for name in names) and any(mma_sync in name for name in names)
 
 
 # (d, window (left, right), sequence lengths (q, k) per batch row, varlen): several key and query blocks, fully
@@ -277,7 +278,10 @@ DET_SM90_CASES = [(64, (-1, 0), [(1100, 1000), (1100, 1000)], False),
                   (128, (-1, 0), [(1100, 1000), (300, 517), (1, 64)], True),
                   (64, (-1, -1), [(700, 300), (129, 1)], True),
                   (128, (200, 0), [(1000, 1000)], False),
-                  (64, (300, 90), [(900, 1300), (1300, 700)], True)]
+                  (64, (300, 90), [(900, 1300), (1300, 700)], True),
+                  (256, (-1, -1), [(517, 1100), (517, 1100)], False),
+                  (256, (-1, 0), [(1100, 1000), (300, 517), (1, 64)], True),
+                  (256, (300, 90), [(900, 1300), (1300, 700)], True)]
 
 
 @pytest.mark.parametrize("d,window,lens,varlen", DET_SM90_CASES, ids=lambda c: str(c))

@@ -23,7 +23,7 @@ if not loaded:
 # (name, batch, seqlen, heads, kv heads, head dim, causal): the e2e benchmark's Llama layer, the paper grid, S = 512
 # (issue 16's short-sequence cells), then T5's shapes with and without its relative position bias ("bias": a
 # float32 (H, 2R + 1) table, R = REL_BIAS_RADIUS as in the kernel benchmark's rel_bias rows), then grids of few
-# tiles: the e2e benchmark's small model and single-prompt Llama prefills.
+# tiles: the e2e benchmark's small model and single-prompt Llama prefills; d256 (Gemma 2 / 3) last.
 CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384, 16, 8, 128, True),
          ("llama 8x1024", 8, 1024, 16, 8, 128, True),
          ("d128 causal 1k", 16, 1024, 16, 16, 128, True), ("d128 full 1k", 16, 1024, 16, 16, 128, False),
@@ -40,7 +40,9 @@ CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384
          ("d128 dec 2x4096", 2, 4096, 32, 32, 128, True), ("d128 dec 2x4096 bias", 2, 4096, 32, 32, 128, True),
          ("smol 8x1024", 8, 1024, 9, 3, 64, True), ("smol 16x512", 16, 512, 9, 3, 64, True),
          ("llama 1x1024", 1, 1024, 32, 8, 128, True), ("llama 1x2048", 1, 2048, 32, 8, 128, True),
-         ("llama 2x2048", 2, 2048, 32, 8, 128, True)]
+         ("llama 2x2048", 2, 2048, 32, 8, 128, True),
+         ("d256 full 4k", 4, 4096, 8, 8, 256, False), ("d256 causal 4k", 4, 4096, 8, 8, 256, True),
+         ("d256 causal 16k", 1, 16384, 8, 8, 256, True), ("d256 gemma2-9b 4x2k", 4, 2048, 16, 8, 256, True)]
 
 tag, mode = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "bwd"
 # AB_CASES="d64,llama 8x1024": only the cases whose name contains one of these (a short call for a narrow change).

@@ -1,6 +1,6 @@
-// FlashAttention backward main kernel on Hopper (sm_90a), warp-specialised, d64 and d128 (a relative bias, softcap,
-// windows too), no ALiBi / dropout (csrc/bwd handles those and every other GPU); deterministic mode orders the dQ
-// additions with a counter per query block (below). Same preprocess, fp32 dQ
+// FlashAttention backward main kernel on Hopper (sm_90a), warp-specialised, d64, d128 and d256 (softcap and
+// windows too, a relative bias at d64 / d128), no ALiBi / dropout (csrc/bwd handles those and every other GPU);
+// deterministic mode orders the dQ additions with a counter per query block (below). Same preprocess, fp32 dQ
 // accumulator, convert kernel and LSE / D conventions as csrc/bwd (attn/bwd_common.cuh; csrc/bwd.cu picks the kernel).
 //
 // One CTA (3 warpgroups) per (block of 128 keys, kv head, batch); K, V resident in smem, loop over the query
@@ -24,6 +24,8 @@
 //       one dQ tile from it: columns 64w.. at d128, rows 64w.. at d64.
 //     dV is issued right after P^T (it runs under the dS^T arithmetic; at d64 after one pass that makes P^T and
 //     dS^T together, BwdSm90Traits::kOnePass), then dQ and dK; the dQ tile stores run under dK.
+//   d256 (BwdSm90Traits::kDSplit): a CTA per 64 keys, both warpgroups on all of them, warpgroup w owning columns
+//   128w.. of dK / dV and of dQ (two 64 x 64 pieces through its own fp32 slot); dO in one stage.
 // Varlen: Q / dO / K / V rows past a sequence are the next sequence's rows (zero past the tensor), all masked
 // (P = 0, dS = 0), so their dQ rows add 0 to the next sequence's (non-finite input there aside); K / V rows past
 // it are not stored. Tiles are 128-byte swizzled panels (sm90/wgmma.cuh). Design: docs/design/backward-sm90.md.
@@ -42,16 +44,27 @@ template <bool kIsBf16, int kHeadDim, bool kRelBias>
 struct BwdSm90Traits {
   // 128 keys x kBlockM queries. d128: 64 queries (dK, dV and S^T, dP^T fill the 240 registers). d64: 128 queries,
   // twice the arithmetic per operand load and per dQ reduction of 64 (1.17-1.19x), in registers with kOnePass.
-  static constexpr int kD = kHeadDim, kBlockN = 128, kBlockM = kHeadDim == 64 ? 128 : 64;
+  // d256 (kDSplit): 64 keys, which both warpgroups take whole, each owning half of d (columns 128 w ..) of dK and dV,
+  // so a thread holds as many accumulators as at d128; S^T / dP^T and the pointwise pass are computed by both (1.4x
+  // the tensor work of the five GEMMs). dO has one stage (its last reader, dV, is done mid-step), which leaves room
+  // for a 64 x 64 fp32 dQ slot per warpgroup (adding dQ from registers, red.global, took 1.6-1.7x the time of no
+  // adds at all). No bias (csrc/bwd.cu).
+  static constexpr bool kDSplit = kHeadDim == 256;
+  static constexpr int kD = kHeadDim, kBlockN = kDSplit ? 64 : 128, kBlockM = kHeadDim == 64 ? 128 : 64;
+  static constexpr int kDv = kDSplit ? kD / 2 : kD;  // columns of dK / dV a warpgroup holds
   static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
   static constexpr int kRelJ = kBlockM / 8;  // a consumer warp's tile: 16 keys x kBlockM queries
-  static_assert(kHeadDim == 64 || kHeadDim == 128, "instantiated head dims");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "instantiated head dims");
+  static_assert(!kDSplit || !kRelBias, "the bias's sums would count each key twice");
   static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
-  static_assert(kBlockN == 2 * 64, "two consumer warpgroups of 64 keys");
+  static_assert(kBlockN == (kDSplit ? 64 : 2 * 64), "two consumer warpgroups of 64 keys, or both on 64 keys");
   // dQ: the warpgroups' dS^T halves form one tile of the 128 keys, and warpgroup w computes a 64 x 64 piece of one
   // dQ tile over all of them (d64: one tile a query block, not one per warpgroup over its own keys, halves the
-  // reductions: 1.04-1.06x).
-  static_assert(kBlockM * kD == 2 * 64 * 64, "a 64 x 64 piece of dQ per warpgroup");
+  // reductions: 1.04-1.06x). d256: two 64 x 64 pieces per warpgroup, one after the other (one m64n128 piece beside
+  // dK and dV made ptxas serialise the d128 wgmmas).
+  // The pieces go through kDqSlots fp32 tiles of kDqCols columns (the producer adds one slot at a time).
+  static constexpr int kDqPieces = kDSplit ? 2 : 1, kDqSlots = kDSplit ? 2 : 1, kDqCols = kDSplit ? 64 : kD;
+  static_assert(kBlockM * kD == 2 * kDqPieces * 64 * 64, "64 x 64 pieces of dQ per warpgroup");
   // One pointwise pass after both S^T and dP^T: each element's P^T and dS^T packed into fragments as its fp32 values
   // die, so the peak is S^T + dP^T + dK + dV (192 registers at d64 x 128 rows; P^T fragments live beside all four
   // made ptxas spill and serialise the wgmmas), and dV waits for the pass. d128 keeps dV under the dS^T pass (one
@@ -61,20 +74,24 @@ struct BwdSm90Traits {
   // the bias at d64, whose staging rows take the second's place (a barrier then waits for both dQ wgmmas instead).
   static constexpr int kDStBuffers = kRelBias && kBlockM == 128 ? 1 : 2;
   static constexpr int kThreads = 3 * 128, kConsumerThreads = 2 * 128, kStages = 2;
+  static constexpr bool kOneDoStage = kDSplit;  // dO in its own one-stage buffer (do_full, do_empty)
   // 128 * 24 + 256 * 240 <= 64K registers.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // Named barriers of the two consumer warpgroups (0 is __syncthreads): the dS^T halves written, the single dS^T
   // buffer free again (the bias at d64), a query head's d rel_bias sums complete / zeroed.
   enum NamedBarrier { kDStWritten = 1, kDStFree = 2, kRelFlush = 3 };
   // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, kDStBuffers dS^T tiles (kBlockN keys x
-  // kBlockM), the dQ tile (kD / 32 panels of kBlockM rows x 32 fp32: the dq_acc map's boxes), the LSE and D rings,
-  // then the mbarriers kv_full, full[kStages], empty[kStages], dq_full, dq_empty, and the bias's floats.
-  static constexpr int kKVBytes = kBlockN * kD * 2, kQBytes = kBlockM * kD * 2;
-  static constexpr int kDStBytes = kBlockN * kBlockM * 2, kDqBytes = kBlockM * kD * 4, kRowBytes = kBlockM * 4;
+  // kBlockM), the dQ slots (kDqCols / 32 panels of kBlockM rows x 32 fp32 each: the dq_acc map's boxes), the LSE
+  // and D rings, then the mbarriers kv_full, full[kStages], empty[kStages], (dq_full, dq_empty)[kDqSlots], with one
+  // dO stage do_full, do_empty, and the bias's floats.
+  static constexpr int kKVBytes = kBlockN * kD * 2, kQBytes = kBlockM * kD * 2, kDoStages = kOneDoStage ? 1 : kStages;
+  static constexpr int kDStBytes = kBlockN * kBlockM * 2, kDqSlotBytes = kBlockM * kDqCols * 4;
+  static constexpr int kRowBytes = kBlockM * 4, kBarCount = 1 + 2 * kStages + 2 * kDqSlots + 2 * kOneDoStage;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kQBytes,
-                       kDSt = kDO + kStages * kQBytes, kDq = kDSt + kDStBuffers * kDStBytes, kLse = kDq + kDqBytes,
-                       kDsum = kLse + kStages * kRowBytes, kBars = kDsum + kStages * kRowBytes,
-                       kRel = kBars + (3 + 2 * kStages) * 8,  // T5's bias: sums and staging rows (launch.cuh adds them)
+                       kDSt = kDO + kDoStages * kQBytes, kDq = kDSt + kDStBuffers * kDStBytes,
+                       kLse = kDq + kDqSlots * kDqSlotBytes, kDsum = kLse + kStages * kRowBytes,
+                       kBars = kDsum + kStages * kRowBytes,
+                       kRel = kBars + kBarCount * 8,  // T5's bias: sums and staging rows (launch.cuh adds them)
                        kSmemBytes = kRel + 1024;              // + alignment slack
   static_assert(kDSt % 1024 == 0 && kDStBytes % 1024 == 0 && kDq % 1024 == 0, "swizzled panels");
   static_assert(kSmemBytes <= bwd::kSm90SmemOptin && (!kRelBias || bwd::rel_bias_fits_sm90(kSmemBytes, kRelJ)),
@@ -108,7 +125,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   auto sDO = [&](int st) { return base + Tr::kDO + st * kQBytes; };
   auto full = [&](int st) { return kv_full + 8 * (1 + st); };
   auto empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
-  const uint32_t dq_full = kv_full + 8 * (1 + 2 * kStages), dq_empty = dq_full + 8, sDq = base + Tr::kDq;
+  // dQ slot w's barriers; with one dO stage, its pair after them.
+  auto dq_full = [&](int w) { return kv_full + 8 * (1 + 2 * kStages + 2 * w); };
+  auto dq_empty = [&](int w) { return dq_full(w) + 8; };
+  const uint32_t do_full = dq_full(Tr::kDqSlots), do_empty = do_full + 8, sDq = base + Tr::kDq;
 
   // Pairs (kv head, batch), blocks = key blocks: block 0 sees the most query blocks (sm90/schedule.cuh).
   const int n_blocks = gridDim.x / (p.h_k * p.b);
@@ -119,8 +139,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // query block by key block, in the order the grid starts the key blocks, so a CTA only ever waits for CTAs that
   // started before it. d128 adds in ascending order (the grid's own, heaviest causal blocks first), each key block
   // walking its query blocks last first: every key block of a causal pair reaches query block m at the same step.
-  // d64 adds in descending order with the grid reversed, walking up from the diagonal: each key block reaches m one
-  // step after the one it waits for, which measured 2-5% faster than ascending at causal d64 shapes
+  // d64 and d256 add in descending order with the grid reversed, walking up from the diagonal: each key block reaches
+  // m one step after the one it waits for, which measured 2-5% faster than ascending at causal d64 shapes
   // (docs/design/backward-sm90.md).
   constexpr bool kAscendingAdds = kD == 128;
   const int n_block = dq_order && !kAscendingAdds ? n_blocks - 1 - cta.block : cta.block;
@@ -142,8 +162,14 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       sm90::mbar_init(full(st), 32);
       sm90::mbar_init(empty(st), Tr::kConsumerThreads);
     }
-    sm90::mbar_init(dq_full, Tr::kConsumerThreads);
-    sm90::mbar_init(dq_empty, 1);
+    for (int w = 0; w < Tr::kDqSlots; ++w) {
+      sm90::mbar_init(dq_full(w), Tr::kConsumerThreads / Tr::kDqSlots);
+      sm90::mbar_init(dq_empty(w), 1);
+    }
+    if (Tr::kOneDoStage) {
+      sm90::mbar_init(do_full, 1);
+      sm90::mbar_init(do_empty, Tr::kConsumerThreads);
+    }
     sm90::mbar_init_fence();
   }
   __syncthreads();
@@ -168,14 +194,21 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
                                             : bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block;
           sm90::counter_wait_eq(order, before);
         }
-        sm90::mbar_wait(dq_full, it & 1);
-        for (int panel = 0; panel < kD / 32; ++panel) {
-          sm90::tma_reduce_add_4d(&maps.dq_acc, sDq + panel * kBlockM * 128, panel * 32, head,
-                                  row0 + m * kBlockM, tma_b);
+        // Piece k of slot w (d256: warpgroup w's columns 128 w + 64 k ..; else the whole tile).
+        for (int k = 0; k < Tr::kDqPieces; ++k) {
+          for (int w = 0; w < Tr::kDqSlots; ++w) {
+            sm90::mbar_wait(dq_full(w), (it * Tr::kDqPieces + k) & 1);
+            const uint32_t slot = sDq + w * Tr::kDqSlotBytes;
+            const int col0 = Tr::kDSplit ? Tr::kDv * w + Tr::kDqCols * k : 0;
+            for (int panel = 0; panel < Tr::kDqCols / 32; ++panel) {
+              sm90::tma_reduce_add_4d(&maps.dq_acc, slot + panel * kBlockM * 128, col0 + panel * 32, head,
+                                      row0 + m * kBlockM, tma_b);
+            }
+            sm90::bulk_commit();
+            sm90::bulk_wait_read<0>();  // the slot may be overwritten: the consumers go on
+            sm90::mbar_arrive(dq_empty(w));
+          }
         }
-        sm90::bulk_commit();
-        sm90::bulk_wait_read<0>();  // the tile may be overwritten: the consumers go on
-        sm90::mbar_arrive(dq_empty);
         if (order) {
           sm90::bulk_wait<0>();  // the additions are done: the next key block may add
           sm90::counter_release_inc(order);
@@ -212,11 +245,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       }
       if (it >= kStages) sm90::mbar_wait(empty(st), (it / kStages - 1) & 1);
       if (lane == 0) {
-        sm90::mbar_expect_tx(full(st), 2 * kQBytes);
+        sm90::mbar_expect_tx(full(st), (Tr::kOneDoStage ? 1 : 2) * kQBytes);
         for (int panel = 0; panel < kD / 64; ++panel) {
           sm90::tma_load_4d(sQ(st) + panel * kBlockM * 128, &maps.q, full(st), panel * 64, head, seq.q0 + m0, tma_b);
-          sm90::tma_load_4d(sDO(st) + panel * kBlockM * 128, &maps.dout, full(st), panel * 64, head, seq.q0 + m0,
-                            tma_b);
+          if (!Tr::kOneDoStage) {
+            sm90::tma_load_4d(sDO(st) + panel * kBlockM * 128, &maps.dout, full(st), panel * 64, head, seq.q0 + m0,
+                              tma_b);
+          }
         }
       }
       // Stored scaled as the pointwise code takes them (LSE in log2 units, D times the softmax scale), so the
@@ -227,6 +262,16 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
         s_dsum[st * kBlockM + lane + 32 * i] = d_r[i] * p.softmax_scale;
       }
       sm90::mbar_arrive(full(st));  // release: the stores above are visible to the consumers' wait
+      if (Tr::kOneDoStage) {  // dO after the stage's release: the consumers free it after dV, mid-step
+        if (it > 0) sm90::mbar_wait(do_empty, (it - 1) & 1);
+        if (lane == 0) {
+          sm90::mbar_arrive_expect_tx(do_full, kQBytes);
+          for (int panel = 0; panel < kD / 64; ++panel) {
+            sm90::tma_load_4d(sDO(0) + panel * kBlockM * 128, &maps.dout, do_full, panel * 64, head, seq.q0 + m0,
+                              tma_b);
+          }
+        }
+      }
       mi = mi + 1 < kb.m_count ? mi + 1 : 0;
       head += mi == 0;
     }
@@ -238,20 +283,26 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   tile::grid_dependency_wait();  // d rel_bias / d sinks were zeroed or written by the prologue
   const int tid = threadIdx.x - 128, wg = sm90::warpgroup_index() - 1, warp = tid / 32 % 4, lane = tid % 32, g = lane / 4, t = lane % 4;
   const KeyWindow w(p, seq.sq, seq.sk);
-  float dv[kD / 8][4] = {}, dk[kD / 8][4] = {};  // this warpgroup's 64 keys (GQA: summed over the group)
-  const int key0 = n0 + 64 * wg + 16 * warp + g;  // this thread's keys: key0, key0 + 8
+  constexpr bool kDSplit = Tr::kDSplit;
+  constexpr int kDv = Tr::kDv;
+  float dv[kDv / 8][4] = {}, dk[kDv / 8][4] = {};  // this warpgroup's 64 keys x kDv (GQA: summed over the group)
+  const int wg_keys = kDSplit ? 0 : 64 * wg;        // this warpgroup's keys: n0 + wg_keys ..
+  const int key0 = n0 + wg_keys + 16 * warp + g;  // this thread's keys: key0, key0 + 8
   // dQ: this warpgroup's rows of the dS^T tile (dst_row..: its keys) and its 64 x 64 piece (row0_dq, col0) of the
   // kBlockM x kD dQ tile, split by columns at d128 (64 rows) and by rows at d64 (128 rows); the panel of K it
   // multiplies.
-  const int dst_row = 64 * wg, col0 = kD == 128 ? 64 * wg : 0, row0_dq = kD == 64 ? 64 * wg : 0;
+  const int dst_row = wg_keys, col0 = kD == 64 ? 0 : kD / 2 * wg, row0_dq = kD == 64 ? 64 * wg : 0;
   const uint32_t k_dq = sK + (col0 / 64) * kBlockN * 128;
-  // dQ tile stores: row r = row0_dq + 16 warp + g + 8 h2 (r % 8 = g), columns c = col0 + 8 j + 2 t, + 1 in panel
-  // c / 32, 16-byte chunk (c % 32) / 4 = 2 (j % 4) + t / 2 stored at chunk ^ g: one XOR by (j % 4) << 5 per j.
-  // A half-warp serves a 64-bit store: rows g and g ^ 1 would put column groups j on the same banks, so odd rows
-  // store group j ^ 2 where even rows store j (bank-conflict-free; ncu counted 2-way conflicts otherwise).
+  const int dkv_col0 = kDSplit ? kDv * wg : 0;  // this warpgroup's columns of dK / dV (and of Q / dO they take)
+  // dQ tile stores: row r = row0_dq + 16 warp + g + 8 h2 (r % 8 = g), columns c = slot_col0 + 8 j + 2 t, + 1 in
+  // panel c / 32 of its slot, 16-byte chunk (c % 32) / 4 = 2 (j % 4) + t / 2 stored at chunk ^ g: one XOR by
+  // (j % 4) << 5 per j. A half-warp serves a 64-bit store: rows g and g ^ 1 would put column groups j on the same
+  // banks, so odd rows store group j ^ 2 where even rows store j (bank-conflict-free; ncu counted 2-way conflicts
+  // otherwise). d256: slot wg, each piece at its column 0.
+  const int dq_slot = kDSplit ? wg : 0, slot_col0 = kDSplit ? 0 : col0;
   const bool dq_swap = g & 1;
-  const uint32_t dq_x =
-      (sDq + (row0_dq + 16 * warp + g) * 128 + (((t / 2) ^ g) << 4) + (t % 2) * 8) ^ (dq_swap << 6);
+  const uint32_t dq_x = (sDq + dq_slot * Tr::kDqSlotBytes + (row0_dq + 16 * warp + g) * 128 +
+                         (((t / 2) ^ g) << 4) + (t % 2) * 8) ^ (dq_swap << 6);
   int head = hk * groups, mi = 0;  // of iteration it
   sm90::mbar_wait(kv_full, 0);     // also: no TMA lands after the CTA (iters == 0)
 
@@ -260,7 +311,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // the mask code (a third of the pointwise instructions).
   auto step = [&](int it, int m0, auto masked) {
     const int st = int(unsigned(it) % kStages);  // it >= 0: no sign fix-up
-    const uint32_t q_s = sQ(st), do_s = sDO(st);
+    const uint32_t q_s = sQ(st), do_s = sDO(Tr::kOneDoStage ? 0 : st);
     const uint32_t dst = base + Tr::kDSt + it % Tr::kDStBuffers * Tr::kDStBytes;  // dS^T tile
     const float* lse_st = s_lse + st * kBlockM;
     const float* dsum_st = s_dsum + st * kBlockM;
@@ -289,7 +340,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // S^T = K Q^T and dP^T = V dO^T over d (this warpgroup's 64 key rows of K / V, all query rows of Q / dO),
     // K-major operands: k16 steps walk the 128-byte panel rows in 32 bytes; one commit group each.
     auto gemm_keys = [&](uint32_t sKeys, uint32_t sQueries, auto& acc) {
-      const uint64_t a = sm90::desc(sKeys + wg * 64 * 128, 16), bq = sm90::desc(sQueries, 16);
+      const uint64_t a = sm90::desc(sKeys + wg_keys * 128, 16), bq = sm90::desc(sQueries, 16);
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) {
         sm90::mma_ss<kBlockM, kIsBf16, 0, 0>(acc, sm90::k_major_step<kBlockN>(a, kk),
@@ -300,6 +351,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // Accumulators declared per block, not zeroed: the first k step overwrites them, and nothing keeps them live
     // into the dQ phase (whose 32 registers per thread take their place).
     float s[kBlockM / 8][4], dp[kBlockM / 8][4];
+    // (dO's wait before both: a wait loop between them made ptxas add a warpgroup.arrive before dP^T)
+    if constexpr (Tr::kOneDoStage) sm90::mbar_wait(do_full, it & 1);
     sm90::fence();
     gemm_keys(sK, q_s, s);
     gemm_keys(sV, do_s, dp);
@@ -368,19 +421,19 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     auto pack_store_ds = [&](int j, const float (&ds)[4]) {
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) dsa[j / 2][(j % 2) * 2 + h2] = tile::pack2<kIsBf16>(ds[2 * h2], ds[2 * h2 + 1]);
-      if (j % 2 == 1) {
-        const int kk = j / 2;
+      const int kk = j / 2;  // d256: both warpgroups hold the whole tile; each stores half of its columns
+      if (j % 2 == 1 && (!kDSplit || kk / (kBlockM / 32) == wg)) {
         tile::stmatrix_x4((ds_lane ^ ((2 * kk % 8) << 4)) + (2 * kk / 8) * kBlockN * 128, dsa[kk]);
       }
     };
     // dV += P^T dO: k16 steps are 16 query rows (2048 bytes) of the MN-major dO panels.
     auto issue_dv = [&] {
-      const uint64_t do_desc = sm90::desc(do_s, kBlockM * 128);
+      const uint64_t do_desc = sm90::desc(do_s + (dkv_col0 / 64) * kBlockM * 128, kBlockM * 128);
       sm90::fence();
       sm90::fence_operand(dv);
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk)
-        sm90::mma_rs<kD, kIsBf16, 1>(dv, pa[kk], sm90::desc_add(do_desc, kk * 2048), true);
+        sm90::mma_rs<kDv, kIsBf16, 1>(dv, pa[kk], sm90::desc_add(do_desc, kk * 2048), true);
       sm90::commit();
     };
     // The pointwise passes are straight-line code, the bias's a compile-time variant (kRelBias): a branch on it inside
@@ -457,37 +510,51 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // dQ piece (64 x 64) = dS K over kBlockN keys: the dS^T panel of its 64 queries (MN-major A), K rows (MN-major B);
     // then dK += dS^T Q.
     float dq[8][4];
-    const uint64_t k_desc = sm90::desc(k_dq, kBlockN * 128), q_desc = sm90::desc(q_s, kBlockM * 128);
-    sm90::fence();  // dsa written since the last wgmma
-    sm90::fence_operand(dk);
-    {
-      const uint64_t ds_desc = sm90::desc(dst + (row0_dq / 64) * kBlockN * 128, kBlockN * 128);
+    const uint64_t q_desc = sm90::desc(q_s + (dkv_col0 / 64) * kBlockM * 128, kBlockM * 128);
+    const uint64_t ds_desc = sm90::desc(dst + (row0_dq / 64) * kBlockN * 128, kBlockN * 128);
+    auto issue_dq = [&](int piece) {
+      if (piece > 0) sm90::fence();  // dq read by the stores since the last wgmma
+      const uint64_t k_desc = sm90::desc(k_dq + piece * kBlockN * 128, kBlockN * 128);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk)
         sm90::mma_ss<64, kIsBf16, 1, 1>(dq, sm90::desc_add(ds_desc, kk * 2048), sm90::desc_add(k_desc, kk * 2048),
                                         kk > 0);
-    }
-    sm90::commit();
+      sm90::commit();
+    };
+    sm90::fence();  // dsa written since the last wgmma
+    sm90::fence_operand(dk);
+    issue_dq(0);
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk)
-      sm90::mma_rs<kD, kIsBf16, 1>(dk, dsa[kk], sm90::desc_add(q_desc, kk * 2048), true);
+      sm90::mma_rs<kDv, kIsBf16, 1>(dk, dsa[kk], sm90::desc_add(q_desc, kk * 2048), true);
     sm90::commit();
     if constexpr (kRelBias) rel.commit();  // d rel_bias under the dQ and dK wgmmas
     sm90::wait<1>();  // dQ (and dV) done; dK runs under the dQ tile stores
     sm90::fence_operand(dq);
-    if (it > 0) sm90::mbar_wait(dq_empty, (it - 1) & 1);  // the reducer has read the previous tile
+    if constexpr (Tr::kOneDoStage) sm90::mbar_arrive(do_empty);  // dV has read dO
+    // Piece n of this warpgroup's slot (n counts over the walk) into it once the reducer has read piece n - 1.
+    auto store_dq = [&](int n) {
+      if (n > 0) sm90::mbar_wait(dq_empty(dq_slot), (n - 1) & 1);
 #pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2) {
+      for (int h2 = 0; h2 < 2; ++h2) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {  // this lane's group: j ^ 2 on odd rows (dq_x carries its address bit)
-        const uint32_t addr = ((dq_x + 8 * h2 * 128) ^ ((j % 4) << 5)) + (col0 / 32 + j / 4) * kBlockM * 128;
-        const float x = dq_swap ? dq[j ^ 2][2 * h2] : dq[j][2 * h2];
-        const float y = dq_swap ? dq[j ^ 2][2 * h2 + 1] : dq[j][2 * h2 + 1];
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y));
+        for (int j = 0; j < 8; ++j) {  // this lane's group: j ^ 2 on odd rows (dq_x carries its address bit)
+          const uint32_t addr = ((dq_x + 8 * h2 * 128) ^ ((j % 4) << 5)) + (slot_col0 / 32 + j / 4) * kBlockM * 128;
+          const float x = dq_swap ? dq[j ^ 2][2 * h2] : dq[j][2 * h2];
+          const float y = dq_swap ? dq[j ^ 2][2 * h2 + 1] : dq[j][2 * h2 + 1];
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y));
+        }
       }
+      sm90::fence_proxy_async();  // the stores, visible to the TMA reductions
+      sm90::mbar_arrive(dq_full(dq_slot));
+    };
+    store_dq(it * Tr::kDqPieces);
+    for (int piece = 1; piece < Tr::kDqPieces; ++piece) {  // d256: the next piece's wgmma, then its stores
+      issue_dq(piece);
+      sm90::wait<0>();
+      sm90::fence_operand(dq);
+      store_dq(it * Tr::kDqPieces + piece);
     }
-    sm90::fence_proxy_async();  // the stores, visible to the TMA reductions
-    sm90::mbar_arrive(dq_full);
     sm90::wait<0>();
     sm90::fence_operand(dv);
     sm90::fence_operand(dk);
@@ -509,18 +576,19 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   tile::grid_launch_dependents();  // the convert kernel's CTAs may take the SMs of CTAs that finish (it waits)
 
   // dV, then dK, through this warp's 16 rows of the V tile (this warpgroup's rows are read by its dP^T alone).
-  const int warp_key = 64 * wg + 16 * warp;  // this warp's keys: n0 + warp_key ..
+  const int warp_key = wg_keys + 16 * warp;  // this warp's keys: n0 + warp_key ..
   using Elem = typename tile::Elem<kIsBf16>::T;
   const float one[2] = {1.f, 1.f};
   const int64_t row = seq.k0 + n0 + warp_key;
-  sm90::store_rows<kIsBf16, kD, kBlockN>(dv, one, sV, warp_key,
-                                         static_cast<Elem*>(p.dv) + p.dv_batch_stride * b + row * p.dv_row_stride +
-                                             hk * p.dv_head_stride,
-                                         p.dv_row_stride, seq.sk - n0 - warp_key);
-  sm90::store_rows<kIsBf16, kD, kBlockN>(dk, one, sV, warp_key,
-                                         static_cast<Elem*>(p.dk) + p.dk_batch_stride * b + row * p.dk_row_stride +
-                                             hk * p.dk_head_stride,
-                                         p.dk_row_stride, seq.sk - n0 - warp_key);
+  const uint32_t staging = sV + (dkv_col0 / 64) * kBlockN * 128;  // d256: each warpgroup its panels of its columns
+  sm90::store_rows<kIsBf16, kDv, kBlockN>(dv, one, staging, warp_key,
+                                          static_cast<Elem*>(p.dv) + p.dv_batch_stride * b + row * p.dv_row_stride +
+                                              hk * p.dv_head_stride + dkv_col0,
+                                          p.dv_row_stride, seq.sk - n0 - warp_key);
+  sm90::store_rows<kIsBf16, kDv, kBlockN>(dk, one, staging, warp_key,
+                                          static_cast<Elem*>(p.dk) + p.dk_batch_stride * b + row * p.dk_row_stride +
+                                              hk * p.dk_head_stride + dkv_col0,
+                                          p.dk_row_stride, seq.sk - n0 - warp_key);
 #endif  // HF_SM90_ENABLED
 }
 
