@@ -11,8 +11,7 @@ size_t bwd_workspace_bytes(const BwdParams& p) { return bwd::WorkspaceLayout(p).
 // relative bias or softcap or neither, deterministic or not; ALiBi, dropout and other head dims run the mma.sync
 // kernels.
 bool bwd_sm90_supports(const BwdParams& p) {
-  // d256's warpgroups share their keys: the bias's sums would count each twice.
-  if (p.d == 256 && p.rel_bias) return false;
+  if (bwd_sm90_splits_d(p.d) && p.rel_bias) return false;  // (flash.h says why)
   return is_one_of(p.d, kBwdSm90HeadDims) && !p.alibi_slopes && p.dropout_p <= 0.f;
 }
 

@@ -21,6 +21,9 @@ constexpr int kMaxHeadDim = kHeadDims[sizeof(kHeadDims) / sizeof(kHeadDims[0]) -
 // The head dims of the Hopper (wgmma) forward and backward (the generator reads these lines too).
 constexpr int kFwdSm90HeadDims[] = {64, 128, 256};
 constexpr int kBwdSm90HeadDims[] = {64, 128, 256};
+// At d256 the Hopper backward splits d between its two warpgroups, which then share every key of the CTA: T5's
+// bias sums would count each key twice, so that head dim runs the bias on the mma.sync kernels.
+constexpr bool bwd_sm90_splits_d(int d) { return d == 256; }
 // What a Hopper kernel instance does to the scores before the mask, a compile-time variant picked by the params'
 // rel_bias and softcap (no model combines them): nothing, T5's relative bias, softcap; kPlainOrRelBias is a
 // forward instance holding the first two, chosen at run time (fwd_sm90/launch.cuh says where).

@@ -628,8 +628,8 @@ def run_bad_case(case: Case, device, expect_error: bool = True) -> None:
 
 
 # Every kernel family on its edges, for compute-sanitizer (tools/fuzz_sanitize.py runs these before the random
-# seeds): the Hopper kernels (d64 / d128, and the d256 forward, without extras) with lengths off the tiles, seqlen_q != seqlen_k (fully
-# masked causal rows), GQA and empty varlen sequences; the mma.sync kernels at the other head dims with window,
+# seeds): the Hopper kernels (d64 / d128 / d256 without extras) with lengths off the tiles, seqlen_q != seqlen_k
+# (fully masked causal rows), GQA and empty varlen sequences; the mma.sync kernels at the other head dims with window,
 # softcap and dropout; the split-KV decode kernel and its combine over ragged, left-padded caches, empty rows,
 # GQA packing over several row tiles and split counts auto / 1 / 3.
 FAMILY_CASES = [

@@ -49,7 +49,7 @@ struct BwdSm90Traits {
   // the tensor work of the five GEMMs). dO has one stage (its last reader, dV, is done mid-step), which leaves room
   // for a 64 x 64 fp32 dQ slot per warpgroup (adding dQ from registers, red.global, took 1.6-1.7x the time of no
   // adds at all). No bias (csrc/bwd.cu).
-  static constexpr bool kDSplit = kHeadDim == 256;
+  static constexpr bool kDSplit = bwd_sm90_splits_d(kHeadDim);
   static constexpr int kD = kHeadDim, kBlockN = kDSplit ? 64 : 128, kBlockM = kHeadDim == 64 ? 128 : 64;
   static constexpr int kDv = kDSplit ? kD / 2 : kD;  // columns of dK / dV a warpgroup holds
   static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
@@ -288,10 +288,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   float dv[kDv / 8][4] = {}, dk[kDv / 8][4] = {};  // this warpgroup's 64 keys x kDv (GQA: summed over the group)
   const int wg_keys = kDSplit ? 0 : 64 * wg;        // this warpgroup's keys: n0 + wg_keys ..
   const int key0 = n0 + wg_keys + 16 * warp + g;  // this thread's keys: key0, key0 + 8
-  // dQ: this warpgroup's rows of the dS^T tile (dst_row..: its keys) and its 64 x 64 piece (row0_dq, col0) of the
+  // dQ: this warpgroup's rows of the dS^T tile (wg_keys..: its keys) and its 64 x 64 piece (row0_dq, col0) of the
   // kBlockM x kD dQ tile, split by columns at d128 (64 rows) and by rows at d64 (128 rows); the panel of K it
   // multiplies.
-  const int dst_row = wg_keys, col0 = kD == 64 ? 0 : kD / 2 * wg, row0_dq = kD == 64 ? 64 * wg : 0;
+  const int col0 = kD == 64 ? 0 : kD / 2 * wg, row0_dq = kD == 64 ? 64 * wg : 0;
   const uint32_t k_dq = sK + (col0 / 64) * kBlockN * 128;
   const int dkv_col0 = kDSplit ? kDv * wg : 0;  // this warpgroup's columns of dK / dV (and of Q / dO they take)
   // dQ tile stores: row r = row0_dq + 16 warp + g + 8 h2 (r % 8 = g), columns c = slot_col0 + 8 j + 2 t, + 1 in
@@ -412,11 +412,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       pa[j / 2][(j % 2) * 2] = tile::pack2<kIsBf16>(s[j][0], s[j][1]);
       pa[j / 2][(j % 2) * 2 + 1] = tile::pack2<kIsBf16>(s[j][2], s[j][3]);
     };
-    // The dS^T tile, rows dst_row + 16 warp .. + 15 (keys), 16-byte chunks of 8 query columns: one stmatrix x4 per
+    // The dS^T tile, rows wg_keys + 16 warp .. + 15 (keys), 16-byte chunks of 8 query columns: one stmatrix x4 per
     // pair of column groups (2kk, 2kk + 1), whose registers dsa[kk] already are in its order (rows 0-7, 8-15) x
     // (chunk 2kk, 2kk + 1). Lane 8q + r addresses row r + 8 (q % 2) of chunk 2kk + q / 2, swizzled by the row
     // (r): with 2kk even, the chunk's XOR is (q / 2) ^ r per lane and (2kk % 8) per pair, one XOR a store.
-    const uint32_t ds_lane = dst + (dst_row + 16 * warp + lane / 8 % 2 * 8 + lane % 8) * 128 +
+    const uint32_t ds_lane = dst + (wg_keys + 16 * warp + lane / 8 % 2 * 8 + lane % 8) * 128 +
                              (((lane / 16) ^ (lane % 8)) << 4);
     auto pack_store_ds = [&](int j, const float (&ds)[4]) {
 #pragma unroll

@@ -69,8 +69,8 @@ template <bool kIsBf16, int kHeadDim>
 cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
   return run_for_scores(p, [&](auto scores) {
     constexpr Scores kScores = decltype(scores)::value;
-    if constexpr (kHeadDim == 256 && kScores == Scores::kRelBias) {
-      return cudaErrorNotSupported;  // no bias kernel at d256 (bwd_sm90_supports)
+    if constexpr (bwd_sm90_splits_d(kHeadDim) && kScores == Scores::kRelBias) {
+      return cudaErrorNotSupported;  // no bias kernel there (bwd_sm90_supports)
     } else {
       return bwd_sm90::launch<kIsBf16, kHeadDim, kScores>(p, stream);
     }
