@@ -62,8 +62,12 @@ struct BwdSm90Traits {
   // dQ tile over all of them (d64: one tile a query block, not one per warpgroup over its own keys, halves the
   // reductions: 1.04-1.06x). d256: two 64 x 64 pieces per warpgroup, one after the other (one m64n128 piece beside
   // dK and dV made ptxas serialise the d128 wgmmas).
-  // The pieces go through kDqSlots fp32 tiles of kDqCols columns (the producer adds one slot at a time).
-  static constexpr int kDqPieces = kDSplit ? 2 : 1, kDqSlots = kDSplit ? 2 : 1, kDqCols = kDSplit ? 64 : kD;
+  // The pieces go to the producer's reductions through fp32 slots of kDqSlotCols columns, a ring of kWgSlots per
+  // owner: d256, each warpgroup a ring of three 32-column slots (a piece fills two, so a fill waits for the
+  // reduction three fills back, not the one just before); else one tile for both warpgroups.
+  static constexpr int kDqPieces = kDSplit ? 2 : 1, kDqOwners = kDSplit ? 2 : 1, kWgSlots = kDSplit ? 3 : 1;
+  static constexpr int kDqSlotCols = kDSplit ? 32 : kD, kFillsPerPiece = kDSplit ? 64 / kDqSlotCols : 1;
+  static constexpr int kDqSlots = kDqOwners * kWgSlots, kDqFills = kDqPieces * kFillsPerPiece;  // fills a step
   static_assert(kBlockM * kD == 2 * kDqPieces * 64 * 64, "64 x 64 pieces of dQ per warpgroup");
   // One pointwise pass after both S^T and dP^T: each element's P^T and dS^T packed into fragments as its fp32 values
   // die, so the peak is S^T + dP^T + dK + dV (192 registers at d64 x 128 rows; P^T fragments live beside all four
@@ -81,11 +85,11 @@ struct BwdSm90Traits {
   // buffer free again (the bias at d64), a query head's d rel_bias sums complete / zeroed.
   enum NamedBarrier { kDStWritten = 1, kDStFree = 2, kRelFlush = 3 };
   // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, kDStBuffers dS^T tiles (kBlockN keys x
-  // kBlockM), the dQ slots (kDqCols / 32 panels of kBlockM rows x 32 fp32 each: the dq_acc map's boxes), the LSE
+  // kBlockM), the dQ slots (kDqSlotCols / 32 panels of kBlockM rows x 32 fp32 each: the dq_acc map's boxes), the LSE
   // and D rings, then the mbarriers kv_full, full[kStages], empty[kStages], (dq_full, dq_empty)[kDqSlots], with one
   // dO stage do_full, do_empty, and the bias's floats.
   static constexpr int kKVBytes = kBlockN * kD * 2, kQBytes = kBlockM * kD * 2, kDoStages = kOneDoStage ? 1 : kStages;
-  static constexpr int kDStBytes = kBlockN * kBlockM * 2, kDqSlotBytes = kBlockM * kDqCols * 4;
+  static constexpr int kDStBytes = kBlockN * kBlockM * 2, kDqSlotBytes = kBlockM * kDqSlotCols * 4;
   static constexpr int kRowBytes = kBlockM * 4, kBarCount = 1 + 2 * kStages + 2 * kDqSlots + 2 * kOneDoStage;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kQBytes,
                        kDSt = kDO + kDoStages * kQBytes, kDq = kDSt + kDStBuffers * kDStBytes,
@@ -163,7 +167,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       sm90::mbar_init(empty(st), Tr::kConsumerThreads);
     }
     for (int w = 0; w < Tr::kDqSlots; ++w) {
-      sm90::mbar_init(dq_full(w), Tr::kConsumerThreads / Tr::kDqSlots);
+      sm90::mbar_init(dq_full(w), Tr::kConsumerThreads / Tr::kDqOwners);
       sm90::mbar_init(dq_empty(w), 1);
     }
     if (Tr::kOneDoStage) {
@@ -184,6 +188,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       const int row0 = p.cu_seqlens_q ? seq.ws0 : 0;
       int head = hk * groups, mi = 0;
       const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;  // per (batch, head) in dq_order
+      int pending = -1;  // kWgSlots > 1: the slot of the newest reduction, released after the next one's issue
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it) {
         const int m = q_block(mi);
@@ -194,23 +199,33 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
                                             : bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block;
           sm90::counter_wait_eq(order, before);
         }
-        // Piece k of slot w (d256: warpgroup w's columns 128 w + 64 k ..; else the whole tile).
-        for (int k = 0; k < Tr::kDqPieces; ++k) {
-          for (int w = 0; w < Tr::kDqSlots; ++w) {
-            sm90::mbar_wait(dq_full(w), (it * Tr::kDqPieces + k) & 1);
-            const uint32_t slot = sDq + w * Tr::kDqSlotBytes;
-            const int col0 = Tr::kDSplit ? Tr::kDv * w + Tr::kDqCols * k : 0;
-            for (int panel = 0; panel < Tr::kDqCols / 32; ++panel) {
-              sm90::tma_reduce_add_4d(&maps.dq_acc, slot + panel * kBlockM * 128, col0 + panel * 32, head,
-                                      row0 + m * kBlockM, tma_b);
+        // Fill k of owner w's ring (d256: warpgroup w's columns 128 w + 32 k ..; else the whole tile).
+        for (int k = 0; k < Tr::kDqFills; ++k) {
+          for (int w = 0; w < Tr::kDqOwners; ++w) {
+            const int fill = it * Tr::kDqFills + k, slot = w * Tr::kWgSlots + fill % Tr::kWgSlots;
+            sm90::mbar_wait(dq_full(slot), (fill / Tr::kWgSlots) & 1);
+            const int col0 = Tr::kDSplit ? Tr::kDv * w + Tr::kDqSlotCols * k : 0;
+            for (int panel = 0; panel < Tr::kDqSlotCols / 32; ++panel) {
+              sm90::tma_reduce_add_4d(&maps.dq_acc, sDq + slot * Tr::kDqSlotBytes + panel * kBlockM * 128,
+                                      col0 + panel * 32, head, row0 + m * kBlockM, tma_b);
             }
             sm90::bulk_commit();
-            sm90::bulk_wait_read<0>();  // the slot may be overwritten: the consumers go on
-            sm90::mbar_arrive(dq_empty(w));
+            if constexpr (Tr::kWgSlots > 1) {  // the slot before is free once all but this reduction have read
+              if (pending >= 0) {
+                sm90::bulk_wait_read<1>();
+                sm90::mbar_arrive(dq_empty(pending));
+              }
+              pending = slot;
+            } else {  // one slot: free it now (the consumers' next fill waits for it)
+              sm90::bulk_wait_read<0>();
+              sm90::mbar_arrive(dq_empty(slot));
+            }
           }
         }
         if (order) {
           sm90::bulk_wait<0>();  // the additions are done: the next key block may add
+          if (pending >= 0) sm90::mbar_arrive(dq_empty(pending));
+          pending = -1;
           sm90::counter_release_inc(order);
         }
         mi = mi + 1 < kb.m_count ? mi + 1 : 0;
@@ -298,11 +313,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // panel c / 32 of its slot, 16-byte chunk (c % 32) / 4 = 2 (j % 4) + t / 2 stored at chunk ^ g: one XOR by
   // (j % 4) << 5 per j. A half-warp serves a 64-bit store: rows g and g ^ 1 would put column groups j on the same
   // banks, so odd rows store group j ^ 2 where even rows store j (bank-conflict-free; ncu counted 2-way conflicts
-  // otherwise). d256: slot wg, each piece at its column 0.
-  const int dq_slot = kDSplit ? wg : 0, slot_col0 = kDSplit ? 0 : col0;
+  // otherwise). d256: warpgroup wg's ring, each fill at its slot's column 0.
+  const int dq_owner = kDSplit ? wg : 0, slot_col0 = kDSplit ? 0 : col0;
   const bool dq_swap = g & 1;
-  const uint32_t dq_x = (sDq + dq_slot * Tr::kDqSlotBytes + (row0_dq + 16 * warp + g) * 128 +
-                         (((t / 2) ^ g) << 4) + (t % 2) * 8) ^ (dq_swap << 6);
+  const uint32_t dq_x =
+      (sDq + (row0_dq + 16 * warp + g) * 128 + (((t / 2) ^ g) << 4) + (t % 2) * 8) ^ (dq_swap << 6);
   int head = hk * groups, mi = 0;  // of iteration it
   sm90::mbar_wait(kv_full, 0);     // also: no TMA lands after the CTA (iters == 0)
 
@@ -532,28 +547,38 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     sm90::wait<1>();  // dQ (and dV) done; dK runs under the dQ tile stores
     sm90::fence_operand(dq);
     if constexpr (Tr::kOneDoStage) sm90::mbar_arrive(do_empty);  // dV has read dO
-    // Piece n of this warpgroup's slot (n counts over the walk) into it once the reducer has read piece n - 1.
-    auto store_dq = [&](int n) {
-      if (n > 0) sm90::mbar_wait(dq_empty(dq_slot), (n - 1) & 1);
+    // Fill f of this warpgroup's ring (f counts over the walk: column groups j0 .. of dq) once the reducer has read
+    // the fill kWgSlots before it from the same slot.
+    constexpr int kFillJ = 8 / Tr::kFillsPerPiece;
+    auto store_dq = [&](int f, int j0) {
+      const int slot = dq_owner * Tr::kWgSlots + f % Tr::kWgSlots;
+      if (f >= Tr::kWgSlots) sm90::mbar_wait(dq_empty(slot), (f / Tr::kWgSlots - 1) & 1);
+      const uint32_t x0 = dq_x + slot * Tr::kDqSlotBytes;  // slots are 1024-byte multiples: dq_x's XOR holds
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {  // this lane's group: j ^ 2 on odd rows (dq_x carries its address bit)
-          const uint32_t addr = ((dq_x + 8 * h2 * 128) ^ ((j % 4) << 5)) + (slot_col0 / 32 + j / 4) * kBlockM * 128;
+        for (int jj = 0; jj < kFillJ; ++jj) {  // this lane's group: j ^ 2 on odd rows (dq_x carries its address bit)
+          const int j = j0 + jj;
+          const uint32_t addr =
+              ((x0 + 8 * h2 * 128) ^ ((jj % 4) << 5)) + (slot_col0 / 32 + jj / 4) * kBlockM * 128;
           const float x = dq_swap ? dq[j ^ 2][2 * h2] : dq[j][2 * h2];
           const float y = dq_swap ? dq[j ^ 2][2 * h2 + 1] : dq[j][2 * h2 + 1];
           asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y));
         }
       }
       sm90::fence_proxy_async();  // the stores, visible to the TMA reductions
-      sm90::mbar_arrive(dq_full(dq_slot));
+      sm90::mbar_arrive(dq_full(slot));
     };
-    store_dq(it * Tr::kDqPieces);
-    for (int piece = 1; piece < Tr::kDqPieces; ++piece) {  // d256: the next piece's wgmma, then its stores
-      issue_dq(piece);
-      sm90::wait<0>();
-      sm90::fence_operand(dq);
-      store_dq(it * Tr::kDqPieces + piece);
+#pragma unroll
+    for (int piece = 0; piece < Tr::kDqPieces; ++piece) {  // d256: the next piece's wgmma, then its stores
+      if (piece > 0) {
+        issue_dq(piece);
+        sm90::wait<0>();
+        sm90::fence_operand(dq);
+      }
+#pragma unroll
+      for (int half = 0; half < Tr::kFillsPerPiece; ++half)
+        store_dq((it * Tr::kDqPieces + piece) * Tr::kFillsPerPiece + half, half * kFillJ);
     }
     sm90::wait<0>();
     sm90::fence_operand(dv);
