@@ -19,7 +19,7 @@ namespace hf_flash {
 constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256, 512};
 constexpr int kMaxHeadDim = kHeadDims[sizeof(kHeadDims) / sizeof(kHeadDims[0]) - 1];
 // The head dims of the Hopper (wgmma) forward and backward (the generator reads these lines too).
-constexpr int kFwdSm90HeadDims[] = {64, 128, 256};
+constexpr int kFwdSm90HeadDims[] = {64, 128, 256, 512};
 constexpr int kBwdSm90HeadDims[] = {64, 128, 256};
 // At d256 the Hopper backward splits d between its two warpgroups, which then share every key of the CTA: T5's
 // bias sums would count each key twice, so that head dim runs the bias on the mma.sync kernels.

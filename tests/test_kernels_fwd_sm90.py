@@ -1,5 +1,5 @@
 """The Hopper (wgmma) forward kernel: that it runs where it should, the edges of its tiles (128 query rows x 128
-keys, 80 at d256) and of sliding windows.
+keys, 80 at d256, 64 rows x 32 keys at d512) and of sliding windows.
 test_kernels_fwd.py runs the whole forward grid with it active on CC 9.0; these cases add tile edges and
 compare it with the mma.sync kernel (HF_FLASH_DISABLE_SM90=1) on the same inputs."""
 
@@ -35,7 +35,8 @@ def run_sm80(monkeypatch, fn):
     (128, (-1, -1), 0.0, True), (64, (-1, 0), 0.0, True),  # plain and causal
     (128, (64, 0), 0.0, True), (64, (32, 32), 0.0, True),  # sliding and local windows
     (256, (-1, 0), 0.0, True),  # d256: 80-key blocks
-    (96, (-1, -1), 0.0, False), (512, (-1, -1), 0.0, False),  # other head dims
+    (512, (-1, 0), 0.0, True),  # d512: both consumers on 64 rows, each half of d
+    (96, (-1, -1), 0.0, False),  # other head dims
     (128, (-1, -1), 30.0, True), (256, (4096, 0), 50.0, True),  # softcap (Gemma 2: with a sliding window)
 ])
 def test_dispatch(monkeypatch, d, window, softcap, expect_sm90):
@@ -47,10 +48,10 @@ def test_dispatch(monkeypatch, d, window, softcap, expect_sm90):
     assert not any("fwd_sm90_kernel" in n for n in run_sm80(monkeypatch, lambda: forward_kernels(call)))
 
 
-# Lengths around the 128-row / 128-key (d256: 80-key) tiles: one row, fewer keys than a tile, one past a tile, many
-# tiles.
+# Lengths around the 128-row / 128-key (d256: 80-key; d512: 64 x 32) tiles: one row, fewer keys than a tile, one
+# past a tile, many tiles.
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
 @pytest.mark.parametrize("sq,sk", [(1, 1), (5, 127), (127, 5), (129, 129), (200, 64), (257, 1), (161, 81), (80, 241),
                                    (2049, 2047)])
 @pytest.mark.parametrize("causal", [False, True])
@@ -64,7 +65,7 @@ def test_tile_edges(monkeypatch, dtype, d, sq, sk, causal):
 
 # Windows whose edges fall inside, on and across the 128-key blocks, a window past every key, a window of one key;
 # sq != sk moves the diagonal (bottom-right aligned), so some rows see no key.
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
 @pytest.mark.parametrize("window", [(1, 0), (127, 0), (128, 0), (200, 64), (0, 0), (-1, 50), (3000, 0)])
 @pytest.mark.parametrize("sq,sk", [(1000, 1000), (300, 700), (700, 300)])
 def test_windows(monkeypatch, d, window, sq, sk):
@@ -77,7 +78,7 @@ def test_windows(monkeypatch, d, window, sq, sk):
     torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
 def test_large_logits_and_mqa(d):
     # Scores of magnitude ~100: the running max moves a lot between key blocks (O rescaling); one KV head.
     q = randn(1, 700, 8, d, dtype=torch.bfloat16, scale=8)
@@ -92,7 +93,7 @@ def test_strided_qkv():
     check_dense(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
 
 
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 256, 512])
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_matches_sm80(monkeypatch, d, causal):
     lens_q, lens_k = [0, 128, 129, 1, 700, 0, 64], [3, 128, 0, 255, 700, 0, 1]
@@ -109,12 +110,13 @@ def test_varlen_matches_sm80(monkeypatch, d, causal):
 
 
 
-# d256 runs one CTA a tile (no room for the persistent kernels' second Q buffer); sinks and T5's relative bias ride
-# its 80-key blocks too.
+# d256 and d512 run one CTA a tile (no room for the persistent kernels' second Q buffer); sinks and T5's relative
+# bias ride their 80- and 32-key blocks too.
+@pytest.mark.parametrize("d", [256, 512])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("feature", ["sinks", "rel_bias"])
-def test_d256_features(monkeypatch, causal, feature):
-    q, k, v = randn(2, 333, 4, 256, dtype=torch.bfloat16), *(randn(2, 419, 2, 256, dtype=torch.bfloat16) for _ in "kv")
+def test_large_d_features(monkeypatch, d, causal, feature):
+    q, k, v = randn(2, 333, 4, d, dtype=torch.bfloat16), *(randn(2, 419, 2, d, dtype=torch.bfloat16) for _ in "kv")
     extra = {"sinks": {"learnable_sink": torch.randn(4, device="cuda")},
              "rel_bias": {"rel_bias": torch.randn(4, 2 * 128 + 1, device="cuda")}}[feature]
     call = lambda: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **extra)[:2]  # noqa: E731
@@ -127,7 +129,7 @@ def test_d256_features(monkeypatch, causal, feature):
 
 # Softcap (Gemma 2: 50, with sliding windows) is a compile-time variant of every Hopper forward: persistent (up to
 # 2k keys, full or causal) and one CTA a tile. Scores of a few units against a cap of 5: tanh is far from linear.
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256, 512])
 @pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (100, 0)])
 @pytest.mark.parametrize("sq,sk", [(300, 1000), (2500, 2500)])
 def test_softcap(monkeypatch, d, window, sq, sk):

@@ -55,28 +55,36 @@ struct FwdSm90Traits {
   using Snaked = FwdSm90Traits<kIsBf16_, kHeadDim_, kConsumers_, kPersistent_, kScores_, true>;  // launch.cuh's pick
   static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64 && !kPersistent_), "instantiated shapes");
   static constexpr int kThreads = (kConsumers + 1) * 128;  // + the producer warpgroup
-  static constexpr int kBlockM = kConsumers * 64;       // query rows per CTA
+  // d512 (kDSplit): both consumers on the same 64 query rows, warpgroup w owning O's columns 256w.. (its 128
+  // registers, as at d256) and computing S over its half of d; the halves' fp32 sums meet through shared memory
+  // (an exchange a key block), so both hold the whole S and the same softmax. docs/design/forward-sm90.md.
+  static constexpr bool kDSplit = kHeadDim == 512;
+  static_assert(!kDSplit || (kConsumers == 2 && !kPersistent_), "d512: two consumers, one CTA a tile");
+  static constexpr int kBlockM = kDSplit ? 64 : kConsumers * 64;  // query rows per CTA
+  static constexpr int kDv = kDSplit ? kHeadDim / 2 : kHeadDim;  // O's columns (and d of S) a consumer takes
   // Keys per main-loop step. d256: two stages of 80 keys fit beside a 128-row Q tile (FlashAttention-3's shape);
-  // O takes 128 of a consumer's registers there.
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 80;
+  // O takes 128 of a consumer's registers there. d512: two stages of 32 keys beside a 64-row Q tile.
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : kHeadDim == 256 ? 80 : 32;
   static constexpr int kStages = 2;
   // Per-warp view for the sm80 softmax helpers: one 16-row slab, n8 tiles of S and of O.
-  static constexpr int kMTiles = 1, kNTiles = kBlockN / 8, kDTiles = kHeadDim / 8;
+  static constexpr int kMTiles = 1, kNTiles = kBlockN / 8, kDTiles = kDv / 8;
   // Registers per thread after setmaxnreg: 128 * 24 + kConsumers * 128 * kConsumerRegs <= 64K.
   static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 3 ? 160 : 240;
   static_assert(128 * kProducerRegs + kConsumers * 128 * kConsumerRegs <= 65536, "register file");
 
-  // Shared memory: Q (one buffer a tile in flight), then K and V of each stage (swizzled wgmma tiles), then the
-  // mbarriers.
+  // Shared memory: Q (one buffer a tile in flight), then K and V of each stage (swizzled wgmma tiles), d512's
+  // exchange (two key-block parities x two warpgroups' fp32 S halves), then the mbarriers.
   static constexpr int kQBuffers = kPersistent ? 2 : 1;
   static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
   static constexpr int kSmemKV = kBlockN * kHeadDim * 2;
+  static constexpr int kSmemHalfS = kBlockM * kBlockN * 4, kSmemX = kDSplit ? 2 * 2 * kSmemHalfS : 0;
   // q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[]; + 1024 bytes of alignment slack
   static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
-  static constexpr int kSmemBytes = kQBuffers * kSmemQ + kStages * 2 * kSmemKV + kBarriers * 8 + 1024;
+  static constexpr int kSmemBytes = kQBuffers * kSmemQ + kStages * 2 * kSmemKV + kSmemX + kBarriers * 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of an SM (d256: no second Q buffer, so not persistent)");
-  // Named barriers: 1 .. kConsumers take turns (below); kTileBarrier lines the consumers up between tiles.
-  static constexpr int kTileBarrier = kConsumers + 1;
+  // Named barriers: 1 .. kConsumers take turns (below); kTileBarrier lines the consumers up between tiles;
+  // kExchangeBarrier (d512): both halves of a key block's S written.
+  static constexpr int kTileBarrier = kConsumers + 1, kExchangeBarrier = kConsumers + 2;
 
   static_assert(kHeadDim % 64 == 0, "whole 128-byte swizzle panels (one TMA box each)");
 };
@@ -101,7 +109,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   auto sQ = [&](int buf) { return sQ0 + buf * Tr::kSmemQ; };
   auto sK = [&](int stage) { return sQ(kQBuffers) + stage * 2 * Tr::kSmemKV; };
   auto sV = [&](int stage) { return sK(stage) + Tr::kSmemKV; };
-  const uint32_t bars = sK(kStages);
+  const uint32_t sX = sK(kStages), bars = sX + Tr::kSmemX;
   auto q_full = [&](int buf) { return bars + 8 * buf; };
   auto q_empty = [&](int buf) { return bars + 8 * (kQBuffers + buf); };
   auto k_full = [&](int stage) { return bars + 8 * (2 * kQBuffers + stage); };
@@ -208,23 +216,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const KeyWindow& w = tl.w;
     const int buf = q_it % kQBuffers, q_phase = (q_it / kQBuffers) & 1;
     ++q_it;
-    const int row0 = m0 + wg * 64 + warp * 16 + g;
+    const int wg_rows = Tr::kDSplit ? 0 : wg * 64;  // this warpgroup's rows of the tile
+    const int row0 = m0 + wg_rows + warp * 16 + g;
     auto row_of = [&](int, int half) { return row0 + half * 8; };
 
     float o[1][Tr::kDTiles][4] = {};
     float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}}, alpha[1][2];
     float s[1][Tr::kNTiles][4];
     uint32_t p_frag[1][kBlockN / 16][4];
-    const uint64_t q_desc = sm90::desc(sQ(buf) + wg * 64 * 128, 16);  // this warpgroup's 64 rows
+    // This warpgroup's 64 rows; d512: its half of d (Q, K and V panels 4 wg ..).
+    const int d_panel0 = Tr::kDSplit ? 4 * wg : 0;
+    const uint64_t q_desc = sm90::desc(sQ(buf) + (Tr::kDSplit ? d_panel0 * kBlockM * 128 : wg * 64 * 128), 16);
     // Step `it` of the walk is key block n_block_max - 1 - it, in stage (kv_base + it) % kStages.
     auto stage_of = [&](int it) { return int(unsigned(kv_base + it) % kStages); };  // >= 0: no sign fix-up
     auto phase_of = [&](int it) { return int(unsigned(kv_base + it) / kStages) & 1; };
     auto issue_qk = [&](int it) {  // S = Q K^T
       sm90::mbar_wait(k_full(stage_of(it)), phase_of(it));
       sm90::fence();
-      const uint64_t k_desc = sm90::desc(sK(stage_of(it)), 16);
+      const uint64_t k_desc = sm90::desc(sK(stage_of(it)) + d_panel0 * kBlockN * 128, 16);
 #pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      for (int kk = 0; kk < Tr::kDv / 16; ++kk) {
         sm90::mma_ss<kBlockN, Tr::kIsBf16, 0, 0>(s[0], sm90::k_major_step<kBlockM>(q_desc, kk),
                                          sm90::k_major_step<kBlockN>(k_desc, kk), kk > 0);
       }
@@ -233,10 +244,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     auto issue_pv = [&](int it) {  // O += P V
       sm90::mbar_wait(v_full(stage_of(it)), phase_of(it));
       sm90::fence();
-      const uint64_t v_desc = sm90::desc(sV(stage_of(it)), kBlockN * 128);
+      const uint64_t v_desc = sm90::desc(sV(stage_of(it)) + d_panel0 * kBlockN * 128, kBlockN * 128);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        sm90::mma_rs<kHeadDim, Tr::kIsBf16, 1>(o[0], p_frag[0][kk], v_desc + ((kk * 16 * 128) >> 4), true);
+        sm90::mma_rs<Tr::kDv, Tr::kIsBf16, 1>(o[0], p_frag[0][kk], v_desc + ((kk * 16 * 128) >> 4), true);
       }
       sm90::commit();
     };
@@ -262,17 +273,47 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // Warpgroup 0 starts a tile with the turn; the last warpgroup does not pass it back after its last step, which
     // leaves every barrier with as many arrivals as waits. Between tiles (persistent) the consumers line up on
     // kTileBarrier first: a warpgroup a tile ahead would otherwise pass a turn the next one has not yet taken.
+    // d512's consumers meet at every key block's exchange instead (no turns).
     const int steps = n_block_max - tl.n_block_min;
     constexpr int kTurnThreads = 2 * 128;  // the waiting warpgroup and the one passing the turn to it
-    auto await_turn = [&] { sm90::named_barrier_sync(1 + wg, kTurnThreads); };
+    auto await_turn = [&] {
+      if constexpr (!Tr::kDSplit) sm90::named_barrier_sync(1 + wg, kTurnThreads);
+    };
     auto pass_turn = [&](int it) {
-      if (wg + 1 < Tr::kConsumers || it + 1 < steps) {
+      if (!Tr::kDSplit && (wg + 1 < Tr::kConsumers || it + 1 < steps)) {
         sm90::named_barrier_arrive(1 + (wg + 1) % Tr::kConsumers, kTurnThreads);
       }
     };
     auto start_turns = [&] {
       if constexpr (kPersistent) sm90::named_barrier_sync(Tr::kTileBarrier, Tr::kConsumers * 128);
-      if (wg == 0 && steps > 1) sm90::named_barrier_arrive(1, kTurnThreads);
+      if (!Tr::kDSplit && wg == 0 && steps > 1) sm90::named_barrier_arrive(1, kTurnThreads);
+    };
+    // d512: S = this warpgroup's half + the other's, through the buffers of step it's parity (rewritten two steps
+    // later, after the step between's barrier: one barrier a step). Thread-linear 16-byte chunks (conflict-free);
+    // the sum is commutative, so both warpgroups hold the same S and run the same softmax.
+    auto exchange_s = [&](int it) {
+      if constexpr (Tr::kDSplit) {
+        const int tid = threadIdx.x % 128;
+        const uint32_t mine = sX + ((it & 1) * 2 + wg) * Tr::kSmemHalfS + tid * 16;
+        const uint32_t theirs = sX + ((it & 1) * 2 + 1 - wg) * Tr::kSmemHalfS + tid * 16;
+#pragma unroll
+        for (int j = 0; j < Tr::kNTiles; ++j) {
+          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(mine + j * 128 * 16), "f"(s[0][j][0]),
+                       "f"(s[0][j][1]), "f"(s[0][j][2]), "f"(s[0][j][3])
+                       : "memory");
+        }
+        sm90::named_barrier_sync(Tr::kExchangeBarrier, Tr::kConsumers * 128);
+#pragma unroll
+        for (int j = 0; j < Tr::kNTiles; ++j) {
+          float x[4];
+          asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                       : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3])
+                       : "r"(theirs + j * 128 * 16)
+                       : "memory");
+#pragma unroll
+          for (int r = 0; r < 4; ++r) s[0][j][r] += x[r];
+        }
+      }
     };
 
     // One step of the walk (it >= 1): S_it = Q K_it^T and O += P_{it-1} V_{it-1} back to back, the softmax of
@@ -287,6 +328,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::wait<1>();  // S landed; P V may still run
       sm90::fence_operand(s);
       sm90::mbar_arrive(k_empty(stage_of(it)));
+      exchange_s(it);
       softmax(it, masked, scores);
       sm90::wait<0>();
       sm90::fence_operand(o);
@@ -301,6 +343,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::wait<0>();
       sm90::fence_operand(s);
       sm90::mbar_arrive(k_empty(stage_of(0)));
+      exchange_s(0);
       if (unmasked(0)) softmax(0, std::false_type{}, scores);  // O is still 0: no rescale
       else softmax(0, std::true_type{}, scores);
       fwd::pack_p<Tr>(p_frag, s);
@@ -338,13 +381,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (int half = 0; half < 2; ++half) {
       const fwd::RowNorm n = fwd::row_norm(row_max[0][half] * scale_log2, tile::quad_sum(row_sum[0][half]), sink);
       inv[half] = n.inv;
-      if (t == 0 && row_of(0, half) < seqlen_q) lse[row_of(0, half)] = n.lse;
+      if (t == 0 && (!Tr::kDSplit || wg == 0) && row_of(0, half) < seqlen_q) lse[row_of(0, half)] = n.lse;
     }
-    const int warp_row = wg * 64 + warp * 16;  // this warp's rows of the Q tile: query rows m0 + warp_row ..
+    const int warp_row = wg_rows + warp * 16;  // this warp's rows of the Q tile: query rows m0 + warp_row ..
+    // d512: each warpgroup its columns, staged in its own panels of Q.
     T* out = static_cast<T*>(p.o) + batch * p.o_batch_stride + int64_t(q_start + m0 + warp_row) * p.o_row_stride +
-             head * p.o_head_stride;
-    sm90::store_rows<Tr::kIsBf16, kHeadDim, kBlockM>(o[0], inv, sQ(buf), warp_row, out, p.o_row_stride,
-                                                     seqlen_q - m0 - warp_row);
+             head * p.o_head_stride + d_panel0 * 64;
+    sm90::store_rows<Tr::kIsBf16, Tr::kDv, kBlockM>(o[0], inv, sQ(buf) + d_panel0 * kBlockM * 128, warp_row, out,
+                                                    p.o_row_stride, seqlen_q - m0 - warp_row);
     if constexpr (kPersistent) {  // this thread is done with the staged O: the next Q may land (through TMA)
       sm90::fence_proxy_async();
       sm90::mbar_arrive(q_empty(buf));

@@ -76,10 +76,12 @@ __device__ __forceinline__ void fence_operand(E (&regs)[N]) {
 
 #define HF_SM90_F4(x, i) "+f"(x[i]), "+f"(x[i + 1]), "+f"(x[i + 2]), "+f"(x[i + 3])
 #define HF_SM90_F16(x, i) HF_SM90_F4(x, i), HF_SM90_F4(x, i + 4), HF_SM90_F4(x, i + 8), HF_SM90_F4(x, i + 12)
+#define HF_SM90_OUT16(x) HF_SM90_F16(x, 0)
 #define HF_SM90_OUT32(x) HF_SM90_F16(x, 0), HF_SM90_F16(x, 16)
 #define HF_SM90_OUT64(x) HF_SM90_OUT32(x), HF_SM90_F16(x, 32), HF_SM90_F16(x, 48)
 #define HF_SM90_OUT40(x) HF_SM90_OUT32(x), HF_SM90_F4(x, 32), HF_SM90_F4(x, 36)
 #define HF_SM90_OUT128(x) HF_SM90_OUT64(x), HF_SM90_F16(x, 64), HF_SM90_F16(x, 80), HF_SM90_F16(x, 96), HF_SM90_F16(x, 112)
+#define HF_SM90_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define HF_SM90_D32                                                                                              \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -109,8 +111,10 @@ __device__ __forceinline__ void fence_operand(E (&regs)[N]) {
                : "l"(a), "l"(b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB))
 template <int kN, bool kIsBf16, int kTransA, int kTransB>
 __device__ __forceinline__ void mma_ss(float (&d)[kN / 8][4], uint64_t a, uint64_t b, bool accumulate) {
-  static_assert(kN == 64 || kN == 80 || kN == 128, "instantiated widths");
+  static_assert(kN == 32 || kN == 64 || kN == 80 || kN == 128, "instantiated widths");
   float* x = &d[0][0];
+  if constexpr (kN == 32 && kIsBf16) HF_SM90_SS("bf16", "32", HF_SM90_D16, HF_SM90_OUT16(x), "%16", "%17", "%18", "%19", "%20");
+  if constexpr (kN == 32 && !kIsBf16) HF_SM90_SS("f16", "32", HF_SM90_D16, HF_SM90_OUT16(x), "%16", "%17", "%18", "%19", "%20");
   if constexpr (kN == 80 && kIsBf16) HF_SM90_SS("bf16", "80", HF_SM90_D40, HF_SM90_OUT40(x), "%40", "%41", "%42", "%43", "%44");
   if constexpr (kN == 80 && !kIsBf16) HF_SM90_SS("f16", "80", HF_SM90_D40, HF_SM90_OUT40(x), "%40", "%41", "%42", "%43", "%44");
   if constexpr (kN == 64 && kIsBf16) HF_SM90_SS("bf16", "64", HF_SM90_D32, HF_SM90_OUT32(x), "%32", "%33", "%34", "%35", "%36");
@@ -145,6 +149,8 @@ __device__ __forceinline__ void mma_rs(float (&d)[kN / 8][4], const uint32_t (&a
 #undef HF_SM90_OUT128
 #undef HF_SM90_OUT40
 #undef HF_SM90_D32
+#undef HF_SM90_D16
+#undef HF_SM90_OUT16
 #undef HF_SM90_OUT64
 #undef HF_SM90_OUT32
 #undef HF_SM90_F16
