@@ -639,6 +639,9 @@ FAMILY_CASES = [
     *(Case(kind="varlen", dtype="bfloat16", h=4, hk=4, d=d, lens_q=(0, 5, 0, 130, 64), lens_k=(0, 5, 0, 130, 64),
            causal=True) for d in (64, 128, 256)),
     Case(kind="dense", dtype="float16", h=4, hk=2, d=256, lens_q=(161, 161), lens_k=(81, 81), causal=True),
+    # the d256 Hopper backward's deterministic counter order and slot ring
+    Case(kind="dense", dtype="bfloat16", h=4, hk=2, d=256, lens_q=(161, 161), lens_k=(200, 200), causal=True,
+         deterministic=True),
     *(Case(kind="dense", dtype=dtype, h=3, hk=3, d=d, lens_q=(77, 77), lens_k=(130, 130), **extra)
       for d in (32, 96, 256, 512) for dtype in ("bfloat16", "float16")
       for extra in ({"causal": True}, {"window": (20, 3), "softcap": 10.0, "dropout": 0.2})),
@@ -650,6 +653,7 @@ FAMILY_CASES = [
            window=(20, 0), softcap=10.0, causal=True) for d in (64, 128, 256)),
     # d512: V / O in two column slices (forward), 32-key blocks (backward), a KV cache on the forward kernel
     Case(kind="dense", dtype="bfloat16", h=4, hk=2, d=512, lens_q=(150, 150), lens_k=(77, 77), causal=True),
+    Case(kind="dense", dtype="float16", h=2, hk=1, d=512, lens_q=(70, 70), lens_k=(129, 129), softcap=10.0, sinks=True),
     Case(kind="varlen", dtype="float16", h=2, hk=1, d=512, lens_q=(0, 5, 130, 64), lens_k=(0, 5, 130, 64),
          causal=True),
     Case(kind="kvcache", dtype="bfloat16", h=8, hk=2, d=512, lens_q=(1,) * 3, lens_k=(300, 1, 77), s_cache=300,
