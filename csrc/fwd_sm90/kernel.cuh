@@ -298,20 +298,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const uint32_t theirs = sX + ((it & 1) * 2 + 1 - wg) * Tr::kSmemHalfS + tid * 16;
 #pragma unroll
         for (int j = 0; j < Tr::kNTiles; ++j) {
-          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(mine + j * 128 * 16), "f"(s[0][j][0]),
-                       "f"(s[0][j][1]), "f"(s[0][j][2]), "f"(s[0][j][3])
-                       : "memory");
+          tile::st_shared_v4(mine + j * 128 * 16, make_uint4(__float_as_uint(s[0][j][0]), __float_as_uint(s[0][j][1]),
+                                                             __float_as_uint(s[0][j][2]), __float_as_uint(s[0][j][3])));
         }
         sm90::named_barrier_sync(Tr::kExchangeBarrier, Tr::kConsumers * 128);
 #pragma unroll
         for (int j = 0; j < Tr::kNTiles; ++j) {
-          float x[4];
-          asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-                       : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3])
-                       : "r"(theirs + j * 128 * 16)
-                       : "memory");
-#pragma unroll
-          for (int r = 0; r < 4; ++r) s[0][j][r] += x[r];
+          const uint4 x = tile::ld_shared_v4(theirs + j * 128 * 16);
+          s[0][j][0] += __uint_as_float(x.x);
+          s[0][j][1] += __uint_as_float(x.y);
+          s[0][j][2] += __uint_as_float(x.z);
+          s[0][j][3] += __uint_as_float(x.w);
         }
       }
     };
