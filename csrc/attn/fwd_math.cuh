@@ -218,7 +218,10 @@ __device__ __forceinline__ void apply_softcap(float (&s)[kMTiles][kNTiles][4], f
 
 // Online softmax step on one key block of masked scores: P = exp2(S * scale_log2 - max) in place, the
 // row sums rescaled to the new row max; alpha = the factor O must be rescaled by.
-template <class Tr>
+// kStaleLog2 > 0: a row keeps its max while the block's exceeds it by at most kStaleLog2 (log2 units), as
+// FlashAttention-4 does: P is then at most 2^kStaleLog2 (fp32 sums and O, 16-bit P hold it) and alpha is exactly
+// 1, so the caller may skip O's rescale (O and the row sum stay consistent: the final O / sum is unchanged).
+template <class Tr, int kStaleLog2 = 0>
 __device__ __forceinline__ void softmax_step(float (&s)[Tr::kMTiles][Tr::kNTiles][4],
                                              float (&row_max)[Tr::kMTiles][2], float (&row_sum)[Tr::kMTiles][2],
                                              float (&alpha)[Tr::kMTiles][2], float scale_log2) {
@@ -230,8 +233,13 @@ __device__ __forceinline__ void softmax_step(float (&s)[Tr::kMTiles][Tr::kNTiles
 #pragma unroll
       for (int nt = 0; nt < Tr::kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mi][nt][half * 2], s[mi][nt][half * 2 + 1]));
       mx = tile::quad_max(mx);
+      if constexpr (kStaleLog2 > 0) {  // mx >= the old max; from -inf (nothing seen yet) it always moves
+        if ((mx - row_max[mi][half]) * scale_log2 <= float(kStaleLog2)) mx = row_max[mi][half];
+      }
       const float max_scaled = mx == -INFINITY ? 0.f : mx * scale_log2;  // fully masked so far: P = 0, no NaN
-      alpha[mi][half] = tile::fast_exp2(row_max[mi][half] * scale_log2 - max_scaled);
+      alpha[mi][half] = kStaleLog2 > 0 && mx == row_max[mi][half]
+                            ? 1.f
+                            : tile::fast_exp2(row_max[mi][half] * scale_log2 - max_scaled);
       row_max[mi][half] = mx;
       float sum = 0.f;
 #pragma unroll

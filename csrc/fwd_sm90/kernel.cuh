@@ -63,27 +63,31 @@ struct FwdSm90Traits {
   static constexpr int kBlockM = kDSplit ? 64 : kConsumers * 64;  // query rows per CTA
   static constexpr int kDv = kDSplit ? kHeadDim / 2 : kHeadDim;  // O's columns (and d of S) a consumer takes
   // Keys per main-loop step. d256: two stages of 80 keys fit beside a 128-row Q tile (FlashAttention-3's shape);
-  // O takes 128 of a consumer's registers there. d512: two stages of 32 keys beside a 64-row Q tile.
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : kHeadDim == 256 ? 80 : 32;
-  static constexpr int kStages = 2;
+  // O takes 128 of a consumer's registers there. d512: one stage of 64 keys beside a 64-row Q tile (a step's
+  // fixed latency, paid in lockstep by both consumers, dominates: 16-key steps ran 0.67x 32-key ones).
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : kHeadDim == 256 ? 80 : 64;
+  static constexpr int kStages = kDSplit ? 1 : 2;
   // Per-warp view for the sm80 softmax helpers: one 16-row slab, n8 tiles of S and of O.
   static constexpr int kMTiles = 1, kNTiles = kBlockN / 8, kDTiles = kDv / 8;
+  // O of 128 registers a thread (d256, d512): rows keep a stale max within 2^8 (fwd::softmax_step), so most
+  // steps skip O's rescale, 128 multiplies on the path between two key blocks' GEMMs.
+  static constexpr int kStaleLog2 = kDv >= 256 ? 8 : 0;
   // Registers per thread after setmaxnreg: 128 * 24 + kConsumers * 128 * kConsumerRegs <= 64K.
   static constexpr int kProducerRegs = 24, kConsumerRegs = kConsumers == 3 ? 160 : 240;
   static_assert(128 * kProducerRegs + kConsumers * 128 * kConsumerRegs <= 65536, "register file");
 
   // Shared memory: Q (one buffer a tile in flight), then K and V of each stage (swizzled wgmma tiles), d512's
-  // exchange (two key-block parities x two warpgroups' fp32 S halves), then the mbarriers.
+  // exchange (the two warpgroups' fp32 S halves), then the mbarriers.
   static constexpr int kQBuffers = kPersistent ? 2 : 1;
   static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
   static constexpr int kSmemKV = kBlockN * kHeadDim * 2;
-  static constexpr int kSmemHalfS = kBlockM * kBlockN * 4, kSmemX = kDSplit ? 2 * 2 * kSmemHalfS : 0;
+  static constexpr int kSmemHalfS = kBlockM * kBlockN * 4, kSmemX = kDSplit ? 2 * kSmemHalfS : 0;
   // q_full[], q_empty[], k_full[], v_full[], k_empty[], v_empty[]; + 1024 bytes of alignment slack
   static constexpr int kBarriers = 2 * kQBuffers + 4 * kStages;
   static constexpr int kSmemBytes = kQBuffers * kSmemQ + kStages * 2 * kSmemKV + kSmemX + kBarriers * 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of an SM (d256: no second Q buffer, so not persistent)");
   // Named barriers: 1 .. kConsumers take turns (below); kTileBarrier lines the consumers up between tiles;
-  // kExchangeBarrier (d512): both halves of a key block's S written.
+  // kExchangeBarrier (d512): both halves of a key block's S written, then both read.
   static constexpr int kTileBarrier = kConsumers + 1, kExchangeBarrier = kConsumers + 2;
 
   static_assert(kHeadDim % 64 == 0, "whole 128-byte swizzle panels (one TMA box each)");
@@ -264,7 +268,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         fwd::add_rel_bias(s, rb, fwd::kLog2e / scale_log2, row0 - g, row0 - g + 15, key0(it), t, row_of);
       }
       if constexpr (decltype(masked)::value) fwd::apply_mask(s, w, key0(it), t, row_of);
-      fwd::softmax_step<Tr>(s, row_max, row_sum, alpha, scale_log2);
+      fwd::softmax_step<Tr, Tr::kStaleLog2>(s, row_max, row_sum, alpha, scale_log2);
     };
 
     // The consumers take turns at the tensor cores (FlashAttention-3's scheduler barrier, named barriers
@@ -277,25 +281,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int steps = n_block_max - tl.n_block_min;
     constexpr int kTurnThreads = 2 * 128;  // the waiting warpgroup and the one passing the turn to it
     auto await_turn = [&] {
-      if constexpr (!Tr::kDSplit) sm90::named_barrier_sync(1 + wg, kTurnThreads);
+      sm90::named_barrier_sync(1 + wg, kTurnThreads);
     };
     auto pass_turn = [&](int it) {
-      if (!Tr::kDSplit && (wg + 1 < Tr::kConsumers || it + 1 < steps)) {
+      if (wg + 1 < Tr::kConsumers || it + 1 < steps) {
         sm90::named_barrier_arrive(1 + (wg + 1) % Tr::kConsumers, kTurnThreads);
       }
     };
     auto start_turns = [&] {
       if constexpr (kPersistent) sm90::named_barrier_sync(Tr::kTileBarrier, Tr::kConsumers * 128);
-      if (!Tr::kDSplit && wg == 0 && steps > 1) sm90::named_barrier_arrive(1, kTurnThreads);
+      if (wg == 0 && steps > 1) sm90::named_barrier_arrive(1, kTurnThreads);
     };
-    // d512: S = this warpgroup's half + the other's, through the buffers of step it's parity (rewritten two steps
-    // later, after the step between's barrier: one barrier a step). Thread-linear 16-byte chunks (conflict-free);
-    // the sum is commutative, so both warpgroups hold the same S and run the same softmax.
-    auto exchange_s = [&](int it) {
+    // d512: S = this warpgroup's half + the other's, through one buffer a warpgroup (a second barrier once both
+    // have read, before either writes again). Thread-linear 16-byte chunks (conflict-free); the sum is
+    // commutative, so both warpgroups hold the same S and run the same softmax.
+    auto exchange_s = [&] {
       if constexpr (Tr::kDSplit) {
         const int tid = threadIdx.x % 128;
-        const uint32_t mine = sX + ((it & 1) * 2 + wg) * Tr::kSmemHalfS + tid * 16;
-        const uint32_t theirs = sX + ((it & 1) * 2 + 1 - wg) * Tr::kSmemHalfS + tid * 16;
+        const uint32_t mine = sX + wg * Tr::kSmemHalfS + tid * 16;
+        const uint32_t theirs = sX + (1 - wg) * Tr::kSmemHalfS + tid * 16;
 #pragma unroll
         for (int j = 0; j < Tr::kNTiles; ++j) {
           tile::st_shared_v4(mine + j * 128 * 16, make_uint4(__float_as_uint(s[0][j][0]), __float_as_uint(s[0][j][1]),
@@ -310,6 +314,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           s[0][j][2] += __uint_as_float(x.z);
           s[0][j][3] += __uint_as_float(x.w);
         }
+        sm90::named_barrier_sync(Tr::kExchangeBarrier, Tr::kConsumers * 128);
       }
     };
 
@@ -325,22 +330,54 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::wait<1>();  // S landed; P V may still run
       sm90::fence_operand(s);
       sm90::mbar_arrive(k_empty(stage_of(it)));
-      exchange_s(it);
       softmax(it, masked, scores);
       sm90::wait<0>();
       sm90::fence_operand(o);
       sm90::fence_operand(p_frag);
       sm90::mbar_arrive(v_empty(stage_of(it - 1)));
-      fwd::rescale_o<Tr>(o, alpha);
+      // With stale maxima, a warp whose rows all kept theirs skips the rescale (alpha == 1).
+      if (Tr::kStaleLog2 == 0 || __any_sync(~0u, alpha[0][0] != 1.f || alpha[0][1] != 1.f)) {
+        fwd::rescale_o<Tr>(o, alpha);
+      }
       fwd::pack_p<Tr>(p_frag, s);
     };
+    // d512, one K / V stage: P_it V_it right after the softmax instead of under the next step's S (that order would
+    // leave V_it's stage held through step it + 1, so V_{it+1} could not load before it is needed). Nothing in
+    // flight between steps; K_{it+1} loads under this step's exchange, softmax and P V, V_{it+1} under S_{it+1}.
+    auto step_dsplit = [&](int it, auto masked, auto scores) {
+      sm90::fence_operand(o);
+      issue_qk(it);
+      sm90::wait<0>();
+      sm90::fence_operand(s);
+      sm90::mbar_arrive(k_empty(stage_of(it)));
+      exchange_s();
+      softmax(it, masked, scores);
+      // A warp whose rows all kept their max (alpha == 1, fwd::softmax_step) skips the rescale.
+      if (it > 0 && __any_sync(~0u, alpha[0][0] != 1.f || alpha[0][1] != 1.f)) fwd::rescale_o<Tr>(o, alpha);
+      fwd::pack_p<Tr>(p_frag, s);
+      sm90::fence_operand(o);
+      sm90::fence_operand(p_frag);
+      issue_pv(it);
+      sm90::wait<0>();
+      sm90::fence_operand(o);
+      sm90::mbar_arrive(v_empty(stage_of(it)));
+    };
     auto walk = [&](auto scores) {
+      if constexpr (Tr::kDSplit) {
+        for (int it = 0; it < steps;) {  // masked and unmasked steps as below
+          if (!unmasked(it)) {
+            step_dsplit(it++, std::true_type{}, scores);
+          } else {
+            for (; it < steps && unmasked(it); ++it) step_dsplit(it, std::false_type{}, scores);
+          }
+        }
+        return;
+      }
       if (steps == 0) return;
       issue_qk(0);
       sm90::wait<0>();
       sm90::fence_operand(s);
       sm90::mbar_arrive(k_empty(stage_of(0)));
-      exchange_s(0);
       if (unmasked(0)) softmax(0, std::false_type{}, scores);  // O is still 0: no rescale
       else softmax(0, std::true_type{}, scores);
       fwd::pack_p<Tr>(p_frag, s);
