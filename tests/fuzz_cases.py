@@ -651,8 +651,8 @@ FAMILY_CASES = [
       for d in (64, 128, 256) for sq, h, hk in ((1, 8, 2), (5, 8, 1), (16, 4, 4), (17, 4, 2)) for splits in (0, 1, 3)),
     *(Case(kind="kvcache", dtype="bfloat16", h=8, hk=2, d=d, lens_q=(1,) * 3, lens_k=(300, 1, 77), s_cache=300,
            window=(20, 0), softcap=10.0, causal=True) for d in (64, 128, 256)),
-    # d512: the Hopper forward's d split (64 rows, an S exchange; two column slices on mma.sync), 32-key blocks
-    # (backward), a KV cache on the forward kernel
+    # d512: the Hopper forward's d split (64 rows x 64 keys, an S exchange; two column slices on mma.sync), the
+    # backward's 32-key blocks, a KV cache on the forward kernel
     Case(kind="dense", dtype="bfloat16", h=4, hk=2, d=512, lens_q=(150, 150), lens_k=(77, 77), causal=True),
     Case(kind="dense", dtype="float16", h=2, hk=1, d=512, lens_q=(70, 70), lens_k=(129, 129), softcap=10.0, sinks=True),
     Case(kind="varlen", dtype="float16", h=2, hk=1, d=512, lens_q=(0, 5, 130, 64), lens_k=(0, 5, 130, 64),

@@ -1,5 +1,5 @@
 """The Hopper (wgmma) forward kernel: that it runs where it should, the edges of its tiles (128 query rows x 128
-keys, 80 at d256, 64 rows x 32 keys at d512) and of sliding windows.
+keys, 80 at d256, 64 rows x 64 keys at d512) and of sliding windows.
 test_kernels_fwd.py runs the whole forward grid with it active on CC 9.0; these cases add tile edges and
 compare it with the mma.sync kernel (HF_FLASH_DISABLE_SM90=1) on the same inputs."""
 
@@ -48,7 +48,7 @@ def test_dispatch(monkeypatch, d, window, softcap, expect_sm90):
     assert not any("fwd_sm90_kernel" in n for n in run_sm80(monkeypatch, lambda: forward_kernels(call)))
 
 
-# Lengths around the 128-row / 128-key (d256: 80-key; d512: 64 x 32) tiles: one row, fewer keys than a tile, one
+# Lengths around the 128-row / 128-key (d256: 80-key; d512: 64 x 64) tiles: one row, fewer keys than a tile, one
 # past a tile, many tiles.
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
@@ -110,8 +110,24 @@ def test_varlen_matches_sm80(monkeypatch, d, causal):
 
 
 
+# Scores that rise or fall along the keys, per head, in a sawtooth: at d256 / d512 a row keeps a stale max while a key
+# block's exceeds it by at most 2^8 (FlashAttention-4's lazy rescale) and rescales O past that, so both happen many
+# times in one walk (0.05 / 0.15 a key: 64 keys move the max by ~4.6 / ~14 in log2 units); d128 rescales exactly.
+@pytest.mark.parametrize("d", [128, 256, 512])
+@pytest.mark.parametrize("causal", [False, True])
+def test_moving_maxima(d, causal):
+    b, s, h = 2, 700, 4
+    u = torch.nn.functional.normalize(torch.randn(d, device="cuda"), dim=0)
+    slope = torch.tensor([0.05, -0.05, 0.15, -0.15], device="cuda").view(1, 1, h, 1)
+    ramp = (torch.arange(s, device="cuda") % 300).float().view(1, s, 1, 1)
+    q = (u * d**0.5 + 0.3 * torch.randn(b, s, h, d, device="cuda")).bfloat16()  # q . u ~ sqrt(d): score ~ a_j
+    k = (u * slope * ramp + 0.3 * torch.randn(b, s, h, d, device="cuda")).bfloat16()
+    v = randn(b, s, h, d, dtype=torch.bfloat16)
+    check_dense(q, k, v, causal=causal)
+
+
 # d256 and d512 run one CTA a tile (no room for the persistent kernels' second Q buffer); sinks and T5's relative
-# bias ride their 80- and 32-key blocks too.
+# bias ride their 80- and 64-key blocks too.
 @pytest.mark.parametrize("d", [256, 512])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("feature", ["sinks", "rel_bias"])
