@@ -324,6 +324,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // One (query head, query block) of the walk. `masked` (compile-time): some (key, row) pair of the tile is not
   // visible, so P^T goes through the mask; the tiles inside every mask, most of them, take the instance without
   // the mask code (a third of the pointwise instructions).
+  // d rel_bias of the one-column warps (RelBias::block_column) of this query head: columns 0 and 2R.
+  [[maybe_unused]] float sat_lo = 0.f, sat_hi = 0.f;
   auto step = [&](int it, int m0, auto masked) {
     const int st = int(unsigned(it) % kStages);  // it >= 0: no sign fix-up
     const uint32_t q_s = sQ(st), do_s = sDO(Tr::kOneDoStage ? 0 : st);
@@ -456,12 +458,40 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // time; 3% at d128).
     bwd::RelBiasGrad<Tr::kRelJ> rel(s_rel, p, head, seq, 1.f / p.softmax_scale);  // this warp's 16 keys
     if constexpr (kRelBias) rel.begin(p, s_rel, tid / 32, key0 - g, m0, g, t);
+    // A warp whose 16 keys x the block's rows all lie past the table's radius on one side reads one column
+    // (RelBias::block_column; most warps at long S): the bias is then one value and its d logits one sum, so its
+    // passes run without the per-element columns and the staging (warp-uniform branches around the loops only: the
+    // waits and wgmmas stay on one path).
+    const int sat_col = kRelBias ? rel.rb.block_column(m0, m0 + kBlockM - 1, key0 - g, key0 - g + 15) : -1;
+    auto by_column = [&](auto loop) {  // loop(sat): sat = std::true_type for a one-column warp
+      if constexpr (kRelBias) {
+        if (sat_col >= 0) loop(std::true_type{});
+        else loop(std::false_type{});
+      } else {
+        loop(std::false_type{});
+      }
+    };
     // The bias joins the logit: subtract it from the LSE instead. Element (j, r) is bin j + 1 - r / 2 of parity
     // r % 2 (RelBiasGrad).
-    auto lse2_at = [&](int j, int r, float2 l2) {
+    auto lse2_at = [&](auto sat, int j, int r, float2 l2) {
       float lse2 = r % 2 ? l2.y : l2.x;
-      if constexpr (kRelBias) lse2 -= bwd::kLog2e * rel.bin_bias(j + 1 - r / 2, r % 2);
+      if constexpr (decltype(sat)::value) lse2 -= bwd::kLog2e * __ldg(rel.rb.table + sat_col);
+      else if constexpr (kRelBias) lse2 -= bwd::kLog2e * rel.bin_bias(j + 1 - r / 2, r % 2);
       return lse2;
+    };
+    // d rel_bias of a pass's d logits: staged by diagonal (added by commit() under the dQ / dK wgmmas), or, in a
+    // one-column warp, summed into this thread's total of that column (added once a query head, before the flush).
+    auto rel_pass = [&](auto sat, auto&& each_j) {
+      [[maybe_unused]] float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        each_j(j, [&](const float (&ds)[4]) {
+          if constexpr (decltype(sat)::value) sum += (ds[0] + ds[1]) + (ds[2] + ds[3]);
+          else if constexpr (kRelBias) rel.step(j, ds);
+        });
+      }
+      if constexpr (decltype(sat)::value) (sat_col == 0 ? sat_lo : sat_hi) += sum;
+      else if constexpr (kRelBias) rel.finish();
     };
     if constexpr (Tr::kOnePass) {
       sm90::wait<0>();  // dP^T too
@@ -469,37 +499,39 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       if constexpr (Tr::kDStBuffers == 1) {  // both dQ wgmmas of it - 1 have read the tile
         if (it > 0) sm90::named_barrier_sync(Tr::kDStFree, Tr::kConsumerThreads);
       }
+      by_column([&](auto sat) {
+        rel_pass(sat, [&](int j, auto&& rel_step) {
+          const float2 l2 = lse2_of(j), dsc = dsum_of(j);
+          float ds[4], dtanh[4];
+          cap_logits(j, dtanh);
 #pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        const float2 l2 = lse2_of(j), dsc = dsum_of(j);
-        float ds[4], dtanh[4];
-        cap_logits(j, dtanh);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          s[j][r] = prob(j, r, lse2_at(j, r, l2));
-          ds[r] = grad_logit(j, r, dsc);
-          if constexpr (kSoftcap) ds[r] *= dtanh[r];
-        }
-        if constexpr (kRelBias) rel.step(j, ds);
-        pack_p(j);
-        pack_store_ds(j, ds);
-      }
-      if constexpr (kRelBias) rel.finish();
+          for (int r = 0; r < 4; ++r) {
+            s[j][r] = prob(j, r, lse2_at(sat, j, r, l2));
+            ds[r] = grad_logit(j, r, dsc);
+            if constexpr (kSoftcap) ds[r] *= dtanh[r];
+          }
+          rel_step(ds);
+          pack_p(j);
+          pack_store_ds(j, ds);
+        });
+      });
       issue_dv();
     } else {
+      by_column([&](auto sat) {
 #pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        const float2 l2 = lse2_of(j);
-        float dtanh[4];
-        cap_logits(j, dtanh);
+        for (int j = 0; j < kBlockM / 8; ++j) {
+          const float2 l2 = lse2_of(j);
+          float dtanh[4];
+          cap_logits(j, dtanh);
 #pragma unroll
-        for (int r = 0; r < 4; ++r) s[j][r] = prob(j, r, lse2_at(j, r, l2));
-        pack_p(j);
-        if constexpr (kSoftcap) {  // P^T (1 - tanh^2) from here on: the dS^T pass multiplies by it
+          for (int r = 0; r < 4; ++r) s[j][r] = prob(j, r, lse2_at(sat, j, r, l2));
+          pack_p(j);
+          if constexpr (kSoftcap) {  // P^T (1 - tanh^2) from here on: the dS^T pass multiplies by it
 #pragma unroll
-          for (int r = 0; r < 4; ++r) s[j][r] *= dtanh[r];
+            for (int r = 0; r < 4; ++r) s[j][r] *= dtanh[r];
+          }
         }
-      }
+      });
       issue_dv();  // now, so that it runs under the dS^T arithmetic
 #pragma unroll
       for (int j = 0; j < kLoaded; ++j) dsum_pre[j] = dsum_load(j);  // under dP^T's wgmma
@@ -508,16 +540,16 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       // sums.
       sm90::wait<1>();  // dP^T (dV may still run)
       sm90::fence_operand(dp);
+      by_column([&](auto sat) {
+        rel_pass(sat, [&](int j, auto&& rel_step) {
+          const float2 dsc = dsum_of(j);
+          float ds[4];
 #pragma unroll
-      for (int j = 0; j < kBlockM / 8; ++j) {
-        const float2 dsc = dsum_of(j);
-        float ds[4];
-#pragma unroll
-        for (int r = 0; r < 4; ++r) ds[r] = grad_logit(j, r, dsc);
-        if constexpr (kRelBias) rel.step(j, ds);
-        pack_store_ds(j, ds);
-      }
-      if constexpr (kRelBias) rel.finish();
+          for (int r = 0; r < 4; ++r) ds[r] = grad_logit(j, r, dsc);
+          rel_step(ds);
+          pack_store_ds(j, ds);
+        });
+      });
     }
     sm90::fence_proxy_async();  // this thread's dS^T stores, visible to wgmma after the barrier
     sm90::named_barrier_sync(Tr::kDStWritten, Tr::kConsumerThreads);  // both halves of dS^T written
@@ -543,7 +575,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     for (int kk = 0; kk < kBlockM / 16; ++kk)
       sm90::mma_rs<kDv, kIsBf16, 1>(dk, dsa[kk], sm90::desc_add(q_desc, kk * 2048), true);
     sm90::commit();
-    if constexpr (kRelBias) rel.commit();  // d rel_bias under the dQ and dK wgmmas
+    if constexpr (kRelBias) {  // d rel_bias under the dQ and dK wgmmas
+      if (sat_col < 0) rel.commit();
+    }
     sm90::wait<1>();  // dQ (and dV) done; dK runs under the dQ tile stores
     sm90::fence_operand(dq);
     if constexpr (Tr::kOneDoStage) sm90::mbar_arrive(do_empty);  // dV has read dO
@@ -585,6 +619,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     sm90::fence_operand(dk);
     sm90::mbar_arrive(empty(st));  // this thread's wgmmas on stage st and its LSE / D reads are done
     if (kRelBias && mi + 1 == kb.m_count) {  // this head's d rel_bias sums: both warpgroups' adds are done
+      if constexpr (kRelBias) {
+        rel.add_block(0, sat_lo);
+        rel.add_block(rel.rb.width - 1, sat_hi);
+        sat_lo = sat_hi = 0.f;
+      }
       sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);
       rel.flush(p, head, tid, Tr::kConsumerThreads);
       sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);  // zeroed before the next head's adds
