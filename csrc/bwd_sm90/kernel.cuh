@@ -619,11 +619,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     sm90::fence_operand(dk);
     sm90::mbar_arrive(empty(st));  // this thread's wgmmas on stage st and its LSE / D reads are done
     if (kRelBias && mi + 1 == kb.m_count) {  // this head's d rel_bias sums: both warpgroups' adds are done
-      if constexpr (kRelBias) {
-        rel.add_block(0, sat_lo);
-        rel.add_block(rel.rb.width - 1, sat_hi);
-        sat_lo = sat_hi = 0.f;
-      }
+      rel.add_block(0, sat_lo);  // the one-column warps' totals
+      rel.add_block(rel.rb.width - 1, sat_hi);
+      sat_lo = sat_hi = 0.f;
       sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);
       rel.flush(p, head, tid, Tr::kConsumerThreads);
       sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);  // zeroed before the next head's adds
