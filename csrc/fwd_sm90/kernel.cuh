@@ -362,41 +362,43 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::fence_operand(o);
       sm90::mbar_arrive(v_empty(stage_of(it)));
     };
+    // d512 walks its steps with step_dsplit, the others with step (the same masked / unmasked loop written for
+    // each: one loop as a shared helper changed the d64 / d128 code, ptxas spilling 288 bytes at d64).
     auto walk = [&](auto scores) {
       if constexpr (Tr::kDSplit) {
-        for (int it = 0; it < steps;) {  // masked and unmasked steps as below
+        for (int it = 0; it < steps;) {
           if (!unmasked(it)) {
             step_dsplit(it++, std::true_type{}, scores);
           } else {
             for (; it < steps && unmasked(it); ++it) step_dsplit(it, std::false_type{}, scores);
           }
         }
-        return;
-      }
-      if (steps == 0) return;
-      issue_qk(0);
-      sm90::wait<0>();
-      sm90::fence_operand(s);
-      sm90::mbar_arrive(k_empty(stage_of(0)));
-      if (unmasked(0)) softmax(0, std::false_type{}, scores);  // O is still 0: no rescale
-      else softmax(0, std::true_type{}, scores);
-      fwd::pack_p<Tr>(p_frag, s);
-      start_turns();
-      // The masked steps one at a time, the unmasked ones in a loop of their own (one instance of each step: a
-      // third for the window's left edge made ptxas spill with three consumer warpgroups).
-      for (int it = 1; it < steps;) {
-        if (!unmasked(it)) {
-          step(it++, std::true_type{}, scores);
-        } else {
-          for (; it < steps && unmasked(it); ++it) step(it, std::false_type{}, scores);
+      } else {
+        if (steps == 0) return;
+        issue_qk(0);
+        sm90::wait<0>();
+        sm90::fence_operand(s);
+        sm90::mbar_arrive(k_empty(stage_of(0)));
+        if (unmasked(0)) softmax(0, std::false_type{}, scores);  // O is still 0: no rescale
+        else softmax(0, std::true_type{}, scores);
+        fwd::pack_p<Tr>(p_frag, s);
+        start_turns();
+        // The masked steps one at a time, the unmasked ones in a loop of their own (one instance of each step: a
+        // third for the window's left edge made ptxas spill with three consumer warpgroups).
+        for (int it = 1; it < steps;) {
+          if (!unmasked(it)) {
+            step(it++, std::true_type{}, scores);
+          } else {
+            for (; it < steps && unmasked(it); ++it) step(it, std::false_type{}, scores);
+          }
         }
+        sm90::fence_operand(o);
+        sm90::fence_operand(p_frag);
+        issue_pv(steps - 1);
+        sm90::wait<0>();
+        sm90::fence_operand(o);
+        sm90::mbar_arrive(v_empty(stage_of(steps - 1)));  // the next tile's loads reuse the stage
       }
-      sm90::fence_operand(o);
-      sm90::fence_operand(p_frag);
-      issue_pv(steps - 1);
-      sm90::wait<0>();
-      sm90::fence_operand(o);
-      sm90::mbar_arrive(v_empty(stage_of(steps - 1)));  // the next tile's loads reuse the stage
     };
     sm90::mbar_wait(q_full(buf), q_phase);
     if constexpr (Tr::kScores == Scores::kPlainOrRelBias) {
