@@ -8,10 +8,11 @@ namespace hf_flash {
 size_t bwd_workspace_bytes(const BwdParams& p) { return bwd::WorkspaceLayout(p).bytes; }
 
 // The Hopper kernel covers kBwdSm90HeadDims, dense and varlen, full, causal or within a (sliding) window, with a
-// relative bias or softcap or neither, deterministic or not; ALiBi, dropout and other head dims run the mma.sync
-// kernels.
+// relative bias or softcap or neither, deterministic or not (d512: plain and not deterministic); ALiBi, dropout
+// and other head dims run the mma.sync kernels.
 bool bwd_sm90_supports(const BwdParams& p) {
   if (bwd_sm90_splits_d(p.d) && p.rel_bias) return false;  // (flash.h says why)
+  if (p.d == 512 && (p.softcap > 0.f || p.deterministic)) return false;  // the cluster kernel's one instance
   return is_one_of(p.d, kBwdSm90HeadDims) && !p.alibi_slopes && p.dropout_p <= 0.f;
 }
 

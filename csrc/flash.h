@@ -20,10 +20,11 @@ constexpr int kHeadDims[] = {32, 64, 96, 128, 192, 256, 512};
 constexpr int kMaxHeadDim = kHeadDims[sizeof(kHeadDims) / sizeof(kHeadDims[0]) - 1];
 // The head dims of the Hopper (wgmma) forward and backward (the generator reads these lines too).
 constexpr int kFwdSm90HeadDims[] = {64, 128, 256, 512};
-constexpr int kBwdSm90HeadDims[] = {64, 128, 256};
-// At d256 the Hopper backward splits d between its two warpgroups, which then share every key of the CTA: T5's
-// bias sums would count each key twice, so that head dim runs the bias on the mma.sync kernels.
-constexpr bool bwd_sm90_splits_d(int d) { return d == 256; }
+constexpr int kBwdSm90HeadDims[] = {64, 128, 256, 512};
+// From d256 the Hopper backward splits d between its two warpgroups, which then share every key of the CTA: T5's
+// bias sums would count each key twice, so those head dims run the bias on the mma.sync kernels. d512 also splits
+// d between the two CTAs of a cluster (bwd_sm90/kernel.cuh): plain scores only, not deterministic.
+constexpr bool bwd_sm90_splits_d(int d) { return d >= 256; }
 // What a Hopper kernel instance does to the scores before the mask, a compile-time variant picked by the params'
 // rel_bias and softcap (no model combines them): nothing, T5's relative bias, softcap; kPlainOrRelBias is a
 // forward instance holding the first two, chosen at run time (fwd_sm90/launch.cuh says where).
@@ -236,22 +237,35 @@ cudaError_t allow_smem(Kernel kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-// Launches `kernel`; with `dependent` (Hopper) as a programmatic dependent of the kernel before it in `stream`:
-// its CTAs may start while that one finishes (their prologue under its tail, no launch gap), and the kernel calls
-// tile::grid_dependency_wait before reading that kernel's results.
+// How launch_kernel launches: `dependent` (Hopper) as a programmatic dependent of the kernel before it in the
+// stream: its CTAs may start while that one finishes (their prologue under its tail, no launch gap), and the kernel
+// calls tile::grid_dependency_wait before reading that kernel's results. `cluster_x` > 1: thread-block clusters of
+// that many consecutive CTAs (Hopper; the grid a multiple of it).
+struct LaunchAttrs {
+  bool dependent;
+  int cluster_x;
+  LaunchAttrs(bool dependent_ = false, int cluster_x_ = 1) : dependent(dependent_), cluster_x(cluster_x_) {}
+};
 template <class... Params, class... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int smem, cudaStream_t stream,
-                          bool dependent, Args&&... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+                          LaunchAttrs how, Args&&... args) {
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (how.dependent) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (how.cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n++].val.clusterDim = {unsigned(how.cluster_x), 1, 1};
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = dependent ? 1 : 0;
+  config.numAttrs = n;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

@@ -94,7 +94,7 @@ def test_grads_dropout(d, causal):
     _check(*_dense_case(2, 177, 211, 4, 2, d, torch.bfloat16, causal, (-1, -1), 0.0, False, dropout_p=0.17))
 
 
-@pytest.mark.parametrize("d,causal,hk", [(64, False, 4), (128, True, 2), (96, True, 1), (256, True, 2)])
+@pytest.mark.parametrize("d,causal,hk", [(64, False, 4), (128, True, 2), (96, True, 1), (256, True, 2), (512, True, 2)])
 def test_grads_varlen(d, causal, hk):
     h, dtype = 4, torch.bfloat16
     lens_q = torch.randint(1, 300, (5,)).tolist()
@@ -208,13 +208,14 @@ def test_cuda_graph_fwd_bwd(d):
             torch.testing.assert_close(ours, ref, atol=0, rtol=0)
 
 
-# Longer sequences at the head dims of the Hopper kernel (csrc/bwd_sm90, d64/d128/d256, causal or not): several key
-# blocks, many query blocks per key block, the GQA head loop, fully masked rows (sq > sk, causal).
+# Longer sequences at the head dims of the Hopper kernel (csrc/bwd_sm90, d64/d128/d256/d512, causal or not): several
+# key blocks, many query blocks per key block, the GQA head loop, fully masked rows (sq > sk, causal); at d512 the
+# two CTAs of a cluster exchange their halves of S^T and dP^T hundreds of times a CTA.
 LONG_CASES = [(1000, 1000, 4, 4, True), (517, 1100, 4, 1, False), (1100, 517, 6, 2, True), (64, 2000, 2, 2, True)]
 
 
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
-@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("d", (64, 128, 256, 512))
 @pytest.mark.parametrize("case", LONG_CASES, ids=lambda c: f"sq{c[0]}-sk{c[1]}-h{c[2]}/{c[3]}-causal{int(c[4])}")
 def test_grads_long(d, dtype, case):
     sq, sk, h, hk, causal = case
@@ -227,7 +228,7 @@ WINDOW_CASES = [(1000, 1000, (200, 0)), (700, 1100, (64, 64)), (1100, 700, (127,
                 (300, 900, (-1, 100))]
 
 
-@pytest.mark.parametrize("d", (64, 128, 256))
+@pytest.mark.parametrize("d", (64, 128, 256, 512))
 @pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: f"sq{c[0]}-sk{c[1]}-w{c[2][0]}_{c[2][1]}")
 def test_grads_long_windows(d, case):
     sq, sk, window = case
@@ -255,7 +256,8 @@ def _bwd_kernel_names(args, deterministic=False):
     return {e.key for e in prof.key_averages()}
 
 
-@pytest.mark.parametrize("d,causal,softcap", [(64, False, 0.0), (128, True, 0.0), (128, False, 30.0), (256, True, 0.0)])
+@pytest.mark.parametrize("d,causal,softcap", [(64, False, 0.0), (128, True, 0.0), (128, False, 30.0), (256, True, 0.0),
+                                             (512, True, 0.0)])
 def test_sm90_kernel_selected(d, causal, softcap, monkeypatch):
     """On CC 9.0 the wgmma kernel runs the supported cases; HF_FLASH_DISABLE_SM90=1 switches back to csrc/bwd."""
     monkeypatch.delenv("HF_FLASH_DISABLE_SM90", raising=False)  # the mma.sync-only A/B runs set it
@@ -268,6 +270,18 @@ def test_sm90_kernel_selected(d, causal, softcap, monkeypatch):
     names = _bwd_kernel_names(args)
     mma_sync = "bwd::bwd_large_d_kernel" if d > 128 else "bwd::bwd_kernel"  # csrc/bwd: kernel_large_d.cuh past d128
     assert not any("bwd_sm90" in name for name in names) and any(mma_sync in name for name in names)
+
+
+def test_d512_softcap_and_deterministic_run_mma_sync(monkeypatch):
+    """The d512 Hopper backward is one instance (plain scores, dQ added in any order): softcap and deterministic=True
+    run the mma.sync kernel (csrc/bwd.cu: bwd_sm90_supports)."""
+    monkeypatch.delenv("HF_FLASH_DISABLE_SM90", raising=False)
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper backward kernel runs on compute capability 9.0 only")
+    args = _bwd_args(1, 300, 4, 2, 512, True)
+    capped = (*args[:14], 30.0, *args[15:])
+    for names in (_bwd_kernel_names(capped), _bwd_kernel_names(args, deterministic=True)):
+        assert not any("bwd_sm90" in name for name in names) and any("bwd::bwd_large_d_kernel" in n for n in names)
 
 
 # (d, window (left, right), sequence lengths (q, k) per batch row, varlen): several key and query blocks, fully

@@ -49,14 +49,21 @@ struct BwdSm90Traits {
   // the tensor work of the five GEMMs). dO has one stage (its last reader, dV, is done mid-step), which leaves room
   // for a 64 x 64 fp32 dQ slot per warpgroup (adding dQ from registers, red.global, took 1.6-1.7x the time of no
   // adds at all). No bias (csrc/bwd.cu).
+  // d512 (kCluster): two CTAs of a cluster, each this d256 kernel on its 256 columns of Q, K, V, dO, dQ, dK, dV;
+  // S^T and dP^T are the sums of both CTAs' partials over their halves of d, exchanged through each other's shared
+  // memory (the kernel's `exchange`). No duplicated GEMM beyond d256's; the exchange buffer and a ring of two dQ
+  // slots (not three) per warpgroup fill the shared memory.
+  static constexpr bool kCluster = kHeadDim == 512;
   static constexpr bool kDSplit = bwd_sm90_splits_d(kHeadDim);
-  static constexpr int kD = kHeadDim, kBlockN = kDSplit ? 64 : 128, kBlockM = kHeadDim == 64 ? 128 : 64;
+  static constexpr int kD = kCluster ? kHeadDim / 2 : kHeadDim;  // columns this CTA loads and owns
+  static constexpr int kColumns = kHeadDim;                      // of the tensors
+  static constexpr int kBlockN = kDSplit ? 64 : 128, kBlockM = kHeadDim == 64 ? 128 : 64;
   static constexpr int kDv = kDSplit ? kD / 2 : kD;  // columns of dK / dV a warpgroup holds
   static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
   static constexpr int kRelJ = kBlockM / 8;  // a consumer warp's tile: 16 keys x kBlockM queries
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "instantiated head dims");
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256 || kHeadDim == 512, "instantiated head dims");
   static_assert(!kDSplit || !kRelBias, "the bias's sums would count each key twice");
-  static_assert(kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
+  static_assert(kCluster || kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
   static_assert(kBlockN == (kDSplit ? 64 : 2 * 64), "two consumer warpgroups of 64 keys, or both on 64 keys");
   // dQ: the warpgroups' dS^T halves form one tile of the 128 keys, and warpgroup w computes a 64 x 64 piece of one
   // dQ tile over all of them (d64: one tile a query block, not one per warpgroup over its own keys, halves the
@@ -65,7 +72,7 @@ struct BwdSm90Traits {
   // The pieces go to the producer's reductions through fp32 slots of kDqSlotCols columns, a ring of kWgSlots per
   // owner: d256, each warpgroup a ring of three 32-column slots (a piece fills two, so a fill waits for the
   // reduction three fills back, not the one just before); else one tile for both warpgroups.
-  static constexpr int kDqPieces = kDSplit ? 2 : 1, kDqOwners = kDSplit ? 2 : 1, kWgSlots = kDSplit ? 3 : 1;
+  static constexpr int kDqPieces = kDSplit ? 2 : 1, kDqOwners = kDSplit ? 2 : 1, kWgSlots = kDSplit ? 3 - kCluster : 1;
   static constexpr int kDqSlotCols = kDSplit ? 32 : kD, kFillsPerPiece = kDSplit ? 64 / kDqSlotCols : 1;
   static constexpr int kDqSlots = kDqOwners * kWgSlots, kDqFills = kDqPieces * kFillsPerPiece;  // fills a step
   static_assert(kBlockM * kD == 2 * kDqPieces * 64 * 64, "64 x 64 pieces of dQ per warpgroup");
@@ -87,13 +94,17 @@ struct BwdSm90Traits {
   // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, kDStBuffers dS^T tiles (kBlockN keys x
   // kBlockM), the dQ slots (kDqSlotCols / 32 panels of kBlockM rows x 32 fp32 each: the dq_acc map's boxes), the LSE
   // and D rings, then the mbarriers kv_full, full[kStages], empty[kStages], (dq_full, dq_empty)[kDqSlots], with one
-  // dO stage do_full, do_empty, and the bias's floats.
+  // dO stage do_full, do_empty, with the cluster x_full, x_empty, and the bias's floats. d512: the exchange buffer
+  // after the dQ slots.
   static constexpr int kKVBytes = kBlockN * kD * 2, kQBytes = kBlockM * kD * 2, kDoStages = kOneDoStage ? 1 : kStages;
   static constexpr int kDStBytes = kBlockN * kBlockM * 2, kDqSlotBytes = kBlockM * kDqSlotCols * 4;
-  static constexpr int kRowBytes = kBlockM * 4, kBarCount = 1 + 2 * kStages + 2 * kDqSlots + 2 * kOneDoStage;
+  static constexpr int kXBytes = kCluster ? kBlockN * kBlockM * 4 : 0;  // d512: the peer's partial S^T or dP^T
+  static constexpr int kRowBytes = kBlockM * 4;
+  static constexpr int kBarCount = 1 + 2 * kStages + 2 * kDqSlots + 2 * kOneDoStage + 2 * kCluster;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kQBytes,
                        kDSt = kDO + kDoStages * kQBytes, kDq = kDSt + kDStBuffers * kDStBytes,
-                       kLse = kDq + kDqSlots * kDqSlotBytes, kDsum = kLse + kStages * kRowBytes,
+                       kX = kDq + kDqSlots * kDqSlotBytes,
+                       kLse = kX + kXBytes, kDsum = kLse + kStages * kRowBytes,
                        kBars = kDsum + kStages * kRowBytes,
                        kRel = kBars + kBarCount * 8,  // T5's bias: sums and staging rows (launch.cuh adds them)
                        kSmemBytes = kRel + 1024;              // + alignment slack
@@ -118,7 +129,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   constexpr bool kRelBias = kScores == Scores::kRelBias, kSoftcap = kScores == Scores::kSoftcap;
   static_assert(kScores != Scores::kPlainOrRelBias, "one walk a backward kernel");
   using Tr = BwdSm90Traits<kIsBf16, kHeadDim, kRelBias>;
-  constexpr int kD = kHeadDim, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
+  constexpr int kD = Tr::kD, kBlockN = Tr::kBlockN, kBlockM = Tr::kBlockM, kStages = Tr::kStages;
   constexpr int kQBytes = Tr::kQBytes;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const uint32_t raw = tile::smem_u32(smem_raw), base = (raw + 1023) & ~1023u;
@@ -133,10 +144,16 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   auto dq_full = [&](int w) { return kv_full + 8 * (1 + 2 * kStages + 2 * w); };
   auto dq_empty = [&](int w) { return dq_full(w) + 8; };
   const uint32_t do_full = dq_full(Tr::kDqSlots), do_empty = do_full + 8, sDq = base + Tr::kDq;
+  // d512: the buffer the peer CTA's partials arrive in (x_full: its bytes; x_empty: the peer has read this CTA's).
+  const uint32_t sX = base + Tr::kX, x_full = do_empty + 8, x_empty = x_full + 8;
 
-  // Pairs (kv head, batch), blocks = key blocks: block 0 sees the most query blocks (sm90/schedule.cuh).
-  const int n_blocks = gridDim.x / (p.h_k * p.b);
-  const sm90::SectionTile cta = sm90::section_tile(p.h_k * p.b, n_blocks, group);
+  // Pairs (kv head, batch), blocks = key blocks: block 0 sees the most query blocks (sm90/schedule.cuh). d512: a
+  // cluster of two CTAs a tile, rank r owning columns 256 r .. of d.
+  constexpr int kCtasPerTile = Tr::kCluster ? 2 : 1;
+  const uint32_t rank = Tr::kCluster ? sm90::cluster_ctarank() : 0;
+  const int col_base = Tr::kCluster ? kD * int(rank) : 0;
+  const int n_blocks = gridDim.x / kCtasPerTile / (p.h_k * p.b);
+  const sm90::SectionTile cta = sm90::section_tile(p.h_k * p.b, n_blocks, group, blockIdx.x / kCtasPerTile);
   const int hk = cta.pair % p.h_k, b = cta.pair / p.h_k, groups = p.h / p.h_k;
   const bwd::Seq seq(p, b);
   // Deterministic mode (dq_order: a counter per (batch, query head, query block)) orders the dQ additions into a
@@ -174,9 +191,15 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       sm90::mbar_init(do_full, 1);
       sm90::mbar_init(do_empty, Tr::kConsumerThreads);
     }
+    if (Tr::kCluster) {
+      sm90::mbar_init(x_full, 1);                             // the arming thread; + the bytes
+      sm90::mbar_init(x_empty, Tr::kConsumerThreads / 32);  // the peer's consumer warps
+      sm90::mbar_arrive_expect_tx(x_full, Tr::kXBytes);     // exchange 0 (kernel.cuh: `exchange`)
+    }
     sm90::mbar_init_fence();
   }
-  __syncthreads();
+  if constexpr (Tr::kCluster) sm90::cluster_sync();  // both CTAs' barriers initialised before any remote access
+  else __syncthreads();
 
   // ---- producer: warp 0 loads, one lane of warp 1 adds the dQ tiles ----------------------------------------
   if (threadIdx.x < 128) {
@@ -204,7 +227,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
           for (int w = 0; w < Tr::kDqOwners; ++w) {
             const int fill = it * Tr::kDqFills + k, slot = w * Tr::kWgSlots + fill % Tr::kWgSlots;
             sm90::mbar_wait(dq_full(slot), (fill / Tr::kWgSlots) & 1);
-            const int col0 = Tr::kDSplit ? Tr::kDv * w + Tr::kDqSlotCols * k : 0;
+            const int col0 = col_base + (Tr::kDSplit ? Tr::kDv * w + Tr::kDqSlotCols * k : 0);
             for (int panel = 0; panel < Tr::kDqSlotCols / 32; ++panel) {
               sm90::tma_reduce_add_4d(&maps.dq_acc, sDq + slot * Tr::kDqSlotBytes + panel * kBlockM * 128,
                                       col0 + panel * 32, head, row0 + m * kBlockM, tma_b);
@@ -238,8 +261,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     if (lane == 0) {
       sm90::mbar_arrive_expect_tx(kv_full, 2 * Tr::kKVBytes);
       for (int panel = 0; panel < kD / 64; ++panel) {
-        sm90::tma_load_4d(sK + panel * kBlockN * 128, &maps.k, kv_full, panel * 64, hk, seq.k0 + n0, tma_b);
-        sm90::tma_load_4d(sV + panel * kBlockN * 128, &maps.v, kv_full, panel * 64, hk, seq.k0 + n0, tma_b);
+        const int c = col_base + panel * 64;
+        sm90::tma_load_4d(sK + panel * kBlockN * 128, &maps.k, kv_full, c, hk, seq.k0 + n0, tma_b);
+        sm90::tma_load_4d(sV + panel * kBlockN * 128, &maps.v, kv_full, c, hk, seq.k0 + n0, tma_b);
       }
     }
     tile::grid_dependency_wait();  // D (the prologue's dot_do_o_kernel) is read below; K / V load meanwhile
@@ -262,10 +286,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       if (lane == 0) {
         sm90::mbar_expect_tx(full(st), (Tr::kOneDoStage ? 1 : 2) * kQBytes);
         for (int panel = 0; panel < kD / 64; ++panel) {
-          sm90::tma_load_4d(sQ(st) + panel * kBlockM * 128, &maps.q, full(st), panel * 64, head, seq.q0 + m0, tma_b);
+          const int c = col_base + panel * 64;
+          sm90::tma_load_4d(sQ(st) + panel * kBlockM * 128, &maps.q, full(st), c, head, seq.q0 + m0, tma_b);
           if (!Tr::kOneDoStage) {
-            sm90::tma_load_4d(sDO(st) + panel * kBlockM * 128, &maps.dout, full(st), panel * 64, head, seq.q0 + m0,
-                              tma_b);
+            sm90::tma_load_4d(sDO(st) + panel * kBlockM * 128, &maps.dout, full(st), c, head, seq.q0 + m0, tma_b);
           }
         }
       }
@@ -282,8 +306,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
         if (lane == 0) {
           sm90::mbar_arrive_expect_tx(do_full, kQBytes);
           for (int panel = 0; panel < kD / 64; ++panel) {
-            sm90::tma_load_4d(sDO(0) + panel * kBlockM * 128, &maps.dout, do_full, panel * 64, head, seq.q0 + m0,
-                              tma_b);
+            sm90::tma_load_4d(sDO(0) + panel * kBlockM * 128, &maps.dout, do_full, col_base + panel * 64, head,
+                              seq.q0 + m0, tma_b);
           }
         }
       }
@@ -320,6 +344,37 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       (sDq + (row0_dq + 16 * warp + g) * 128 + (((t / 2) ^ g) << 4) + (t % 2) * 8) ^ (dq_swap << 6);
   int head = hk * groups, mi = 0;  // of iteration it
   sm90::mbar_wait(kv_full, 0);     // also: no TMA lands after the CTA (iters == 0)
+
+  // d512: S^T (or dP^T) = this CTA's partial over its 256 columns + the peer's. Exchange k (two a step: S^T, then
+  // dP^T) is pushed by warpgroup k % 2 of each CTA (both hold the same partial) into the other's buffer X, 16
+  // bytes a store in thread order (the receiver's fragments have the same layout), completing the receiver's
+  // x_full; both receiving warpgroups add it, and their 8 warps free X with a remote arrival on the sender's
+  // x_empty, which the sender's next push waits for. One thread arms x_full for exchange k + 1 as soon as k has
+  // arrived: before its own warp frees X, so before the peer can push k + 1 (the bytes never precede the arming).
+  [[maybe_unused]] const uint32_t peer = rank ^ 1u;
+  auto exchange = [&](float (&acc)[kBlockM / 8][4], int k) {
+    if constexpr (Tr::kCluster) {
+      const uint32_t chunk = (tid % 128) * 16;
+      if (wg == k % 2) {
+        if (k > 0) sm90::mbar_wait(x_empty, (k - 1) & 1);  // the peer has read push k - 1
+        const uint32_t dst = sm90::cluster_map(sX + chunk, peer), bar = sm90::cluster_map(x_full, peer);
+#pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j) sm90::st_async_v4(dst + j * 128 * 16, acc[j], bar);
+      }
+      sm90::mbar_wait(x_full, k & 1);
+      if (tid == 0) sm90::mbar_arrive_expect_tx(x_full, Tr::kXBytes);  // exchange k + 1
+#pragma unroll
+      for (int j = 0; j < kBlockM / 8; ++j) {
+        const uint4 x = tile::ld_shared_v4(sX + chunk + j * 128 * 16);
+        acc[j][0] += __uint_as_float(x.x);
+        acc[j][1] += __uint_as_float(x.y);
+        acc[j][2] += __uint_as_float(x.z);
+        acc[j][3] += __uint_as_float(x.w);
+      }
+      __syncwarp();
+      if (lane == 0) sm90::mbar_arrive_remote(sm90::cluster_map(x_empty, peer));
+    }
+  };
 
   // One (query head, query block) of the walk. `masked` (compile-time): some (key, row) pair of the tile is not
   // visible, so P^T goes through the mask; the tiles inside every mask, most of them, take the instance without
@@ -377,6 +432,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // P^T (masked: causal diagonal, window edges, sequence ends) into the A fragments of dV += P^T dO.
     sm90::wait<1>();
     sm90::fence_operand(s);
+    exchange(s, 2 * it);
     // Mask: P^T element (key0 + 8 h, row0 + c), c = 8 j + r % 2, h = r / 2, is visible iff first <= c - 8 h and
     // c < last[h] (rows row_lo .. row_hi see a key, and row_lo moves with it), a branch-free compare pair against
     // immediates (short-circuit row / key tests compile to one small branch per element, each a stall before dV
@@ -540,6 +596,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       // sums.
       sm90::wait<1>();  // dP^T (dV may still run)
       sm90::fence_operand(dp);
+      exchange(dp, 2 * it + 1);
       by_column([&](auto sat) {
         rel_pass(sat, [&](int j, auto&& rel_step) {
           const float2 dsc = dsum_of(j);
@@ -636,6 +693,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   }
 
   tile::grid_launch_dependents();  // the convert kernel's CTAs may take the SMs of CTAs that finish (it waits)
+  // d512: the CTA stays until the peer has read its last push (the peer's arrival lands in this CTA's x_empty).
+  if (Tr::kCluster && wg == 1 && iters > 0) sm90::mbar_wait(x_empty, (2 * iters - 1) & 1);
 
   // dV, then dK, through this warp's 16 rows of the V tile (this warpgroup's rows are read by its dP^T alone).
   const int warp_key = wg_keys + 16 * warp;  // this warp's keys: n0 + warp_key ..
@@ -645,11 +704,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   const uint32_t staging = sV + (dkv_col0 / 64) * kBlockN * 128;  // d256: each warpgroup its panels of its columns
   sm90::store_rows<kIsBf16, kDv, kBlockN>(dv, one, staging, warp_key,
                                           static_cast<Elem*>(p.dv) + p.dv_batch_stride * b + row * p.dv_row_stride +
-                                              hk * p.dv_head_stride + dkv_col0,
+                                              hk * p.dv_head_stride + col_base + dkv_col0,
                                           p.dv_row_stride, seq.sk - n0 - warp_key);
   sm90::store_rows<kIsBf16, kDv, kBlockN>(dk, one, staging, warp_key,
                                           static_cast<Elem*>(p.dk) + p.dk_batch_stride * b + row * p.dk_row_stride +
-                                              hk * p.dk_head_stride + dkv_col0,
+                                              hk * p.dk_head_stride + col_base + dkv_col0,
                                           p.dk_row_stride, seq.sk - n0 - warp_key);
 #endif  // HF_SM90_ENABLED
 }

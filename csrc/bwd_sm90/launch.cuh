@@ -41,7 +41,7 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
                               p.v_batch_stride, kBlockN);
   }
   if (err == cudaSuccess) {  // dq_acc: fp32 (rows, h, d), a dense batch seqlen_q of those rows
-    constexpr int kD = kHeadDim;
+    constexpr int kD = Tr::kColumns;
     err = sm90::make_rows_map(&maps.dq_acc, ws.dq_acc, sm90::TmaElem::kF32, kD, p.h, rows_q, batches, kD,
                               int64_t(p.h) * kD, int64_t(p.seqlen_q) * p.h * kD, kBlockM);
   }
@@ -54,12 +54,14 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   err = bwd::bwd_prologue<kIsBf16, kHeadDim>(p, ws, stream);
   if (err != cudaSuccess) return err;
   // Sections of (kv head, batch) pairs (sm90/schedule.cuh); a pair's key blocks share its Q and dO.
-  const int n_blocks = bwd::num_n_blocks(p), pairs = p.h_k * p.b;
+  const int n_blocks = (p.seqlen_k + kBlockN - 1) / kBlockN, pairs = p.h_k * p.b;
   const int group = sm90::section_group(p.window_right == 0, pairs, n_blocks, p.num_sms,
                                         int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2, int64_t(32) << 20);
   // A dependent of the prologue's last kernel and the convert kernel's primary: 2-4 launch gaps a call hidden.
-  err = launch_kernel(kernel, n_blocks * pairs, Tr::kThreads, smem, stream, /*dependent=*/true, pk, maps, ws.dsum,
-                      ws.counters, group);
+  // d512: a cluster of two CTAs a tile (kernel.cuh).
+  constexpr int kCtasPerTile = Tr::kCluster ? 2 : 1;
+  err = launch_kernel(kernel, kCtasPerTile * n_blocks * pairs, Tr::kThreads, smem, stream,
+                      LaunchAttrs(/*dependent=*/true, kCtasPerTile), pk, maps, ws.dsum, ws.counters, group);
   if (err != cudaSuccess) return err;
   return bwd::bwd_epilogue<kIsBf16, kHeadDim>(p, ws, stream, /*dependent=*/true);
 }
@@ -71,6 +73,8 @@ cudaError_t run_bwd_sm90_hdim(const BwdParams& p, cudaStream_t stream) {
     constexpr Scores kScores = decltype(scores)::value;
     if constexpr (bwd_sm90_splits_d(kHeadDim) && kScores == Scores::kRelBias) {
       return cudaErrorNotSupported;  // no bias kernel there (bwd_sm90_supports)
+    } else if constexpr (kHeadDim == 512 && kScores != Scores::kPlain) {
+      return cudaErrorNotSupported;  // d512: the plain kernel only (bwd_sm90_supports)
     } else {
       return bwd_sm90::launch<kIsBf16, kHeadDim, kScores>(p, stream);
     }

@@ -16,8 +16,9 @@ struct SectionTile {
   int pair, block;  // block 0: the pair's heaviest
 };
 
-__device__ __forceinline__ SectionTile section_tile(int pairs, int blocks, int group) {
-  const int section = blockIdx.x / (group * blocks), r = blockIdx.x - section * group * blocks;
+// `index`: the CTA's tile in the grid (blockIdx.x, or the cluster's index with clusters).
+__device__ __forceinline__ SectionTile section_tile(int pairs, int blocks, int group, unsigned index = blockIdx.x) {
+  const int section = index / (group * blocks), r = index - section * group * blocks;
   const int in_section = min(group, pairs - section * group);  // the last section may hold fewer pairs
   return {section * group + r % in_section, r / in_section};
 }

@@ -40,6 +40,35 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int phase) {
       "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(phase) : "memory");
 }
 
+// ---- thread-block clusters ------------------------------------------------------------------
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster: the mbarriers initialised before it are visible to the whole cluster
+// (remote arrivals and st.async) after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The address of the same shared-memory offset in CTA `cta` of the cluster.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t addr, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(cta));
+  return remote;
+}
+// One arrival on the mbarrier at cluster address `remote_bar` (cluster_map); default semantics (a .release.cluster
+// arrive compiles to MEMBAR.ALL.GPU first).
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t remote_bar) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote_bar) : "memory");
+}
+// 16 bytes into another CTA's shared memory (cluster addresses), completing 16 bytes of its mbarrier's transaction
+// count: the receiver waits on that mbarrier (armed with mbar_arrive_expect_tx) and then reads the data.
+__device__ __forceinline__ void st_async_v4(uint32_t remote_dst, const float (&v)[4], uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
+               ::"r"(remote_dst), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "r"(remote_bar) : "memory");
+}
+
 // Named barrier `id` (1..15; 0 is __syncthreads) among `threads` threads (a multiple of 32) of the CTA, e.g. the
 // consumer warpgroups of a warp-specialised kernel without its producer.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
