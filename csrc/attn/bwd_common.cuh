@@ -122,7 +122,8 @@ static __global__ void __launch_bounds__(kSinkThreads) sink_grad_kernel(const Bw
 //              each into its column (the saturated columns 0 and 2R summed over the warp first).
 // Where the staging rows do not fit next to a kernel's tiles (p.rel_bias_direct: GPUs smaller than sm_90's, where
 // every kernel has room by its traits' static_assert), every bin goes straight into the sums instead; where the
-// sums do not fit either (p.rel_bias_in_gmem), they are p.drel_bias itself.
+// sums do not fit either, and always in the Hopper kernels (p.rel_bias_in_gmem, bwd::rel_bias_smem), they are
+// p.drel_bias itself.
 template <int kJ>
 struct RelBiasGrad {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
