@@ -361,7 +361,8 @@ def test_kernel_cases_cover_the_grid():
 
 def test_kernel_backends_per_case():
     """Which backend runs which case: SDPA has no sinks, windows or packed form (the last: an n/a row), FA4 no
-    relative bias, sdpa-flash no mask; SDPA's own pick only in the rel_bias pairs."""
+    relative bias, sdpa-flash no mask; SDPA's own pick only in the rel_bias pairs, FlexAttention in the rel_bias
+    and softcap pairs."""
     from hf_flash.bench import kernels
 
     ran = lambda case: [n for n in kernels.DEFAULT_BACKENDS if kernels.runs(n, case)]  # noqa: E731
@@ -369,12 +370,12 @@ def test_kernel_backends_per_case():
     assert ran(by_name["d64 full 512"]) == ["hf_flash", "fa4", "sdpa-cudnn", "sdpa-flash"]
     assert ran(by_name["gpt-oss 8x1k"]) == ["hf_flash", "fa4", "sdpa-cudnn", "sdpa-flash"]
     assert ran(by_name["gpt-oss 8x1k +sinks"]) == ran(by_name["gpt-oss 1x8k w128"]) == ["hf_flash", "fa4"]
-    assert ran(by_name["t5 enc 4x4k"]) == ["hf_flash", "fa4", "sdpa-cudnn", "sdpa-flash", "sdpa"]
-    assert ran(by_name["t5 enc 4x4k +rel_bias"]) == ["hf_flash", "sdpa-cudnn", "sdpa"]
+    assert ran(by_name["t5 enc 4x4k"]) == ["hf_flash", "fa4", "flex", "sdpa-cudnn", "sdpa-flash", "sdpa"]
+    assert ran(by_name["t5 enc 4x4k +rel_bias"]) == ["hf_flash", "flex", "sdpa-cudnn", "sdpa"]
     # FA4 has no dropout
     assert ran(by_name["t5 train enc 32x512 +dropout"]) == ["hf_flash", "sdpa-cudnn", "sdpa-flash"]
     # SDPA has no softcap
-    assert ran(by_name["gemma2-27b 2x4k +softcap"]) == ["hf_flash", "fa4"]
+    assert ran(by_name["gemma2-27b 2x4k +softcap"]) == ["hf_flash", "fa4", "flex"]
     assert not kernels.runs("sdpa-math", by_name["d64 full 16k"])
     assert kernels.runs("sdpa-math", by_name["t5 enc 4x4k"])
 
@@ -546,3 +547,45 @@ def test_call_timer_sleeps_ahead_of_the_host(monkeypatch):
     syncing = lambda: time.sleep((sleeps[-1] if sleeps else 0) / 1000 / 1000 + 0.001)  # noqa: E731
     gpu_ms, host_us = timer(syncing, calls=1, host_ms_guess=0.0)
     assert len(sleeps) == 3 and gpu_ms == 8.0  # three longer sleeps, then a batch without one
+
+
+# FlexAttention's column: the same attention as hf_flash's reference, each feature as its score_mod / block mask.
+FLEX_CASES = [  # causal, window, softcap, rel_bias radius, seqlen_q, seqlen_k, heads, kv_heads
+    (False, -1, 0.0, 6, 37, 37, 4, 2), (True, -1, 0.0, 6, 29, 45, 4, 4), (True, 5, 0.0, 0, 40, 40, 4, 1),
+    (True, -1, 10.0, 0, 33, 33, 2, 2)]
+
+
+def _flex_case(device, dtype, causal, window, softcap, radius, sq, sk, h, hk, grad):
+    from hf_flash import reference
+    from hf_flash.bench import backends
+
+    kw = {"device": device, "dtype": dtype, "requires_grad": grad}
+    q = torch.randn(2, sq, h, 32, **kw)
+    k, v = (torch.randn(2, sk, hk, 32, **kw) for _ in range(2))
+    table = torch.randn(h, 2 * radius + 1, device=device, requires_grad=grad) if radius else None
+    out = backends.dense("flex", causal, window, 0.0, softcap)(q, k, v, rel_bias=table)
+    leaves = [q, k, v, *([table] if radius else [])]
+    ref = reference.naive_attention(*(x.double() for x in (q, k, v)), causal=causal, softcap=softcap,
+                                    window_size=(window, -1 if window < 0 else 0),
+                                    rel_bias=None if table is None else table.double())
+    return out, ref, leaves
+
+
+@pytest.mark.parametrize("case", FLEX_CASES)
+def test_flex_backend_matches_reference(on_cpu, case):
+    """Forward on the CPU (FlexAttention has no CPU backward; the GPU test below covers it)."""
+    out, ref, _ = _flex_case("cpu", torch.float64, *case, grad=False)
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FLEX_CASES)
+def test_flex_backend_gradients_on_gpu(case):
+    """The compiled FlexAttention column's output and gradients (the bias table's too) against float64."""
+    out, ref, leaves = _flex_case("cuda", torch.bfloat16, *case, grad=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.double(), r, atol=5e-2 * max(1.0, r.abs().max().item()) ** 0.5, rtol=5e-2)

@@ -1,6 +1,7 @@
 """The attention backends the kernel benchmarks compare, as callables on flash-attn layouts.
 
-hf_flash; FlashAttention-4 ("fa4", the CuTe-DSL ``flash_attn.cute``, a column whenever it imports); SDPA
+hf_flash; FlashAttention-4 ("fa4", the CuTe-DSL ``flash_attn.cute``, a column whenever it imports); FlexAttention
+("flex", compiled; the features it expresses as a score_mod: T5's relative bias, softcap); SDPA
 forced to one backend ("sdpa-cudnn", "sdpa-flash", ...) or left to pick its own ("sdpa"), GQA through
 ``enable_gqa``, as transformers calls it.
 Dense tensors are ``(B, S, H, D)``, packed ones ``(total, H, D)``, KV caches ``(B, S_cache, H_k, D)``
@@ -15,6 +16,7 @@ import torch
 
 DEVICE = "cuda"  # the CPU tests run the measurement code on "cpu"
 FA4 = "fa4"
+FLEX = "flex"  # FlexAttention (torch.nn.attention.flex_attention, compiled): the feature as a score_mod
 SDPA = ("sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math")
 SDPA_DEFAULT = "sdpa"  # SDPA choosing its backend itself, as transformers calls it
 
@@ -35,9 +37,9 @@ def fa4_available() -> bool:
 
 def available(requested: list[str]) -> list[str]:
     """``requested`` without fa4 when FlashAttention-4 does not import; an unknown name is a ValueError."""
-    unknown = [b for b in requested if b not in ("hf_flash", FA4, *SDPA, SDPA_DEFAULT)]
+    unknown = [b for b in requested if b not in ("hf_flash", FA4, FLEX, *SDPA, SDPA_DEFAULT)]
     if unknown:
-        raise ValueError(f"unknown backend(s) {unknown}; choose from hf_flash, {FA4}, {', '.join(SDPA)}, "
+        raise ValueError(f"unknown backend(s) {unknown}; choose from hf_flash, {FA4}, {FLEX}, {', '.join(SDPA)}, "
                          f"{SDPA_DEFAULT}")
     return [b for b in requested if b != FA4 or fa4_available()]
 
@@ -90,6 +92,8 @@ def dense(backend: str, causal: bool, window: int = -1, dropout_p: float = 0.0, 
             return _first(func(q, k, v, causal=causal, learnable_sink=sinks, **extra))
 
         return fa4_dense
+    if backend == FLEX:
+        return _flex(causal, window, dropout_p, softcap)
     if window >= 0:
         raise NotImplementedError(f"{backend}: no sliding window without a materialised mask")
     if softcap:
@@ -108,12 +112,68 @@ def dense(backend: str, causal: bool, window: int = -1, dropout_p: float = 0.0, 
     return sdpa
 
 
+@functools.lru_cache(maxsize=None)
+def _flex_attention(device: str):
+    """flex_attention compiled (its Triton kernels) on a GPU; the eager reference loop elsewhere (CPU tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if device != "cpu" else flex_attention
+
+
+@functools.lru_cache(maxsize=16)
+def _flex_block_mask(causal: bool, window: int, seqlen_q: int, seqlen_k: int, device: str):
+    """The block mask of a causal (bottom-right aligned) or windowed shape, built once per shape as transformers
+    builds it once per forward for all layers; None without a mask."""
+    if not causal and window < 0:
+        return None
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    shift = seqlen_k - seqlen_q
+
+    def visible(b, h, q_idx, kv_idx):
+        seen = q_idx + shift >= kv_idx
+        return seen & (q_idx + shift - kv_idx <= window) if window >= 0 else seen
+
+    return create_block_mask(visible, None, None, seqlen_q, seqlen_k, device=device)
+
+
+def _flex(causal: bool, window: int, dropout_p: float, softcap: float):
+    """FlexAttention on (B, S, H, D): causal / window as a block mask, softcap and T5's relative bias (the float32
+    (H, 2R+1) table, with its gradient through the captured tensor) as a score_mod; no dropout or sinks."""
+    if dropout_p:
+        raise NotImplementedError(f"{FLEX}: no attention dropout")
+
+    def flex(q, k, v, sinks=None, rel_bias=None):
+        if sinks is not None:
+            raise NotImplementedError(f"{FLEX}: no learned sinks (they join the denominator, not a score)")
+        if softcap and rel_bias is not None:
+            raise NotImplementedError(f"{FLEX}: softcap with a relative bias (hf_flash refuses the pair too)")
+        sq, sk = q.shape[1], k.shape[1]
+        mods = {}
+        if softcap:
+            mods["score_mod"] = lambda score, b, h, q_idx, kv_idx: softcap * torch.tanh(score / softcap)
+        elif rel_bias is not None:
+            radius, shift = (rel_bias.shape[1] - 1) // 2, sk - sq
+
+            def bias(score, b, h, q_idx, kv_idx):  # reference.relative_positions' rule
+                return score + rel_bias[h, torch.clamp(kv_idx - q_idx - shift, -radius, radius) + radius]
+
+            mods["score_mod"] = bias
+        out = _flex_attention(q.device.type)(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            block_mask=_flex_block_mask(causal, window, sq, sk, str(q.device)), enable_gqa=k.shape[2] != q.shape[2],
+            **mods)
+        return out.transpose(1, 2)
+
+    return flex
+
+
 def rel_bias_input(backend: str, table: torch.Tensor, seqlen: int, causal: bool, dtype) -> torch.Tensor:
     """T5's relative position bias, a float32 table (H, 2R+1), in the form ``backend``'s ``rel_bias`` takes for
     (seqlen x seqlen) attention: hf_flash the table itself; SDPA the additive mask transformers passes it for T5,
     materialised once (T5 computes it in its first layer for every layer): ``table[h, clamp(j - i, -R, R) + R]``
     as a (1, H, S, S) leaf in q's ``dtype`` requiring grad, ``finfo.min`` above the diagonal when causal."""
-    if backend == "hf_flash":
+    if backend in ("hf_flash", FLEX):
         return table
     from hf_flash import reference
 

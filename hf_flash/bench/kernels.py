@@ -9,7 +9,8 @@ windows), T5's relative position bias with R = 128, T5's max_distance (flan-t5-b
 decoder self-attention at 32 x 512, a 4 x 4k encoder and a d128 32-head causal 2 x 4k shape: hf_flash with its
 float32 (H, 2R+1) table, SDPA as transformers calls it for T5, cuDNN and its own pick ("sdpa"), with the bias
 materialised as a dense (1, H, S, S) mask in q's dtype (the causal mask folded in) outside the timed calls, as T5
-builds it once for all its layers; FA4 only without: it has no relative bias), attention dropout at T5's default
+builds it once for all its layers; FlexAttention with the table read in a score_mod; FA4 only without: it has no
+relative bias), attention dropout at T5's default
 p = 0.1 (flan-t5-base's encoder and decoder shapes and a d128 causal 2 x 4k; FA4 only without: it has no dropout),
 and head dim 512 (Gemma 4's global layers) beside d256 at S = 4k. Each sinks, rel_bias and dropout case runs beside
 the same shape without the feature (its twin, named without the " +sinks" / " +rel_bias" / " +dropout" suffix, with
@@ -80,7 +81,7 @@ SMOL_SHAPES = (("smol 8x1k", 8, 1024), ("smol 16x512", 16, 512))
 SETS = ("grid", "llama", "varlen", "smol", *FEATURES, "d512")
 MODES = ("fwd", "bwd", "fwdbwd")
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
-DEFAULT_BACKENDS = ("hf_flash", B.FA4, "sdpa-cudnn", "sdpa-flash", B.SDPA_DEFAULT)
+DEFAULT_BACKENDS = ("hf_flash", B.FA4, B.FLEX, "sdpa-cudnn", "sdpa-flash", B.SDPA_DEFAULT)
 BASELINES = (B.FA4, "sdpa-cudnn")  # the ratio column and plot: hf_flash / the best of these
 MATH_MAX_SEQLEN = 4096  # the math backend materialises B*H*S^2 scores
 TARGET_MS, MAX_CALLS = 20.0, 32  # per backend and round: ~20 ms of calls, at most 32 (launch queue depth)
@@ -195,8 +196,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlens", default="", help="comma list overriding the grid's S")
     parser.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
-                        help=f"comma list of hf_flash, {B.FA4}, {', '.join(B.SDPA)}, {B.SDPA_DEFAULT} ({B.FA4} "
-                             f"when it imports; {B.SDPA_DEFAULT}, SDPA's own pick, in the rel_bias pairs only)")
+                        help=f"comma list of hf_flash, {B.FA4}, {B.FLEX}, {', '.join(B.SDPA)}, {B.SDPA_DEFAULT} ({B.FA4} "
+                             f"when it imports; {B.SDPA_DEFAULT}, SDPA's own pick, in the rel_bias pairs only; "
+                             f"{B.FLEX} in the rel_bias and softcap pairs)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (median, spread)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     parser.add_argument("--out", default="bench_out", help="directory for kernels.csv / kernels.png")
@@ -253,7 +255,10 @@ def runs(name: str, case: Case) -> bool:
     MATH_MAX_SEQLEN); SDPA has no sinks, softcap or windows, and sdpa-flash takes no mask; FA4 has no relative
     bias or dropout;
     SDPA's own pick (what transformers runs) is measured in the rel_bias pairs, where it picks by the mask,
-    and nowhere else: without a mask it picks one of the forced columns."""
+    and nowhere else: without a mask it picks one of the forced columns; FlexAttention in the rel_bias and
+    softcap pairs (features it computes in its kernel, as a score_mod; each shape compiles its own kernels)."""
+    if name == B.FLEX:
+        return case.feature in ("rel_bias", "softcap")
     if name == "sdpa-math" and case.seqlen > MATH_MAX_SEQLEN:
         return False
     if name in (*B.SDPA, B.SDPA_DEFAULT) and (case.sinks or case.softcap or case.window >= 0):
