@@ -565,27 +565,35 @@ def _flex_case(device, dtype, causal, window, softcap, radius, sq, sk, h, hk, gr
     table = torch.randn(h, 2 * radius + 1, device=device, requires_grad=grad) if radius else None
     out = backends.dense("flex", causal, window, 0.0, softcap)(q, k, v, rel_bias=table)
     leaves = [q, k, v, *([table] if radius else [])]
-    ref = reference.naive_attention(*(x.double() for x in (q, k, v)), causal=causal, softcap=softcap,
+    ref_leaves = [x.detach().double().requires_grad_(grad) for x in leaves]
+    ref = reference.naive_attention(*ref_leaves[:3], causal=causal, softcap=softcap,
                                     window_size=(window, -1 if window < 0 else 0),
-                                    rel_bias=None if table is None else table.double())
-    return out, ref, leaves
+                                    rel_bias=ref_leaves[3] if radius else None)
+    return out, ref, leaves, ref_leaves
 
 
 @pytest.mark.parametrize("case", FLEX_CASES)
 def test_flex_backend_matches_reference(on_cpu, case):
     """Forward on the CPU (FlexAttention has no CPU backward; the GPU test below covers it)."""
-    out, ref, _ = _flex_case("cpu", torch.float64, *case, grad=False)
+    out, ref, _, _ = _flex_case("cpu", torch.float64, *case, grad=False)
     torch.testing.assert_close(out, ref)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", FLEX_CASES)
 def test_flex_backend_gradients_on_gpu(case):
-    """The compiled FlexAttention column's output and gradients (the bias table's too) against float64."""
-    out, ref, leaves = _flex_case("cuda", torch.bfloat16, *case, grad=True)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, dout)
-    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    """The compiled FlexAttention column's output and gradients (the bias table's too) against float64. Where
+    Inductor finds no kernel config for a case (torch 2.11 on the H100 for some learnable-bias shapes: the bench
+    reports those cells n/a with the same reason) the case is skipped, naming it."""
+    try:
+        out, ref, leaves, ref_leaves = _flex_case("cuda", torch.bfloat16, *case, grad=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, leaves, dout)
+    except Exception as e:  # noqa: BLE001  (only Inductor's own compile failures are skipped)
+        if not type(e).__module__.startswith("torch._inductor"):
+            raise
+        pytest.skip(f"FlexAttention does not compile this case on torch {torch.__version__}: {str(e)[:200]}")
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g.double(), r, atol=5e-2 * max(1.0, r.abs().max().item()) ** 0.5, rtol=5e-2)
