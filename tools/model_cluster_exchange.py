@@ -4,7 +4,8 @@ delivered late and out of order; mbarrier phases, transaction counts and parity 
 shared (d512): both warpgroups hold the same partial, warpgroup k % 2 pushes exchange k into one buffer that both
 read; else (d256, exp/bwd-d256-cluster) each warpgroup pushes its own partial into the peer's same warpgroup's
 buffer. Fails on a deadlock, a buffer overwritten before all its reader warps read it, bytes landing before the
-arming, or a remote access to an exited CTA.
+arming, or a remote access to an exited CTA. `mutation` drops one rule of the protocol (MUTATIONS), to show the
+model catches its absence (tests/test_tools.py).
   python3 tools/model_cluster_exchange.py"""
 import random
 
@@ -27,7 +28,13 @@ class MBar:
     def done(s, parity): return (s.phase & 1) != parity  # try_wait.parity
 
 
-def run(iters, seed, shared):
+# The protocol's rules a mutation drops: the sender's wait for its buffer's x_empty before a push; the wait at exit
+# for the peer's reads of the last push; arming x_full for the next exchange before freeing the buffer (moved after).
+MUTATIONS = ("no_empty_wait", "no_exit_wait", "arm_after_free")
+
+
+def run(iters, seed, shared, mutation=None):
+    assert mutation in (None, *MUTATIONS), mutation
     rng, nbytes = random.Random(seed), 16384
     nbuf, readers = (1, 8) if shared else (2, 4)  # buffers a CTA; warps reading each
     cta = []
@@ -44,21 +51,25 @@ def run(iters, seed, shared):
         for it in range(iters):
             for k in (2 * it, 2 * it + 1):
                 if not shared or w == k % 2:
-                    if k > 0:
+                    if k > 0 and mutation != "no_empty_wait":
                         while not me['x_empty'][xb].done((k - 1) & 1): yield
                     assert not peer['exited'], "st.async into an exited CTA"
                     inflight.append((c ^ 1, xb, k, c))
                 while not me['x_full'][xb].done(k & 1): yield
-                if w == 0 or not shared:  # the arming thread: tid 0, or each warpgroup's first
+                arming = w == 0 or not shared  # the arming thread: tid 0, or each warpgroup's first
+                if arming and mutation != "arm_after_free":
                     me['x_full'][xb].arrive(1, nbytes)
                 assert me['X'][xb] == (k, c ^ 1), (c, w, k, me['X'][xb])
                 me['reads'][xb][k] = me['reads'][xb].get(k, 0) + 4
                 yield
                 assert not peer['exited'], "remote arrive on an exited CTA"
                 peer['x_empty'][xb].arrive(4)
+                if arming and mutation == "arm_after_free":
+                    yield
+                    me['x_full'][xb].arrive(1, nbytes)
             me['bar'][it] = me['bar'].get(it, 0) + 1  # the dS^T barrier of the two warpgroups
             while me['bar'][it] < 2: yield
-        if (not shared or w == 1) and iters > 0:
+        if (not shared or w == 1) and iters > 0 and mutation != "no_exit_wait":
             while not me['x_empty'][xb].done((2 * iters - 1) & 1): yield
         me['done'][w] = True
         me['exited'] = all(me['done'])
