@@ -18,7 +18,9 @@ constexpr int kMaxDqCopies = 8;
 // counters are allocated per (batch, query head, block of these rows), enough for every kernel.
 constexpr int kSm90BlockM = 64;
 
-inline int num_n_blocks(const BwdParams& p) { return (p.seqlen_k + block_n(p.d) - 1) / block_n(p.d); }
+// Key blocks of `block` keys (the mma.sync kernels': block_n(p.d); the Hopper kernel passes its own).
+inline int num_n_blocks(const BwdParams& p, int block) { return (p.seqlen_k + block - 1) / block; }
+inline int num_n_blocks(const BwdParams& p) { return num_n_blocks(p, block_n(p.d)); }
 
 // Number of fp32 dQ accumulators. Non-deterministic: one, every CTA adds into
 // it with atomics. Deterministic: CTA "lane" x walks key blocks x, x+copies, ...

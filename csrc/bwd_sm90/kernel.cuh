@@ -63,7 +63,6 @@ struct BwdSm90Traits {
   static constexpr int kRelJ = kBlockM / 8;  // a consumer warp's tile: 16 keys x kBlockM queries
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256 || kHeadDim == 512, "instantiated head dims");
   static_assert(!kDSplit || !kRelBias, "the bias's sums would count each key twice");
-  static_assert(kCluster || kBlockN == bwd::block_n(kHeadDim), "the grid (bwd::num_n_blocks) is shared with csrc/bwd");
   static_assert(kBlockN == (kDSplit ? 64 : 2 * 64), "two consumer warpgroups of 64 keys, or both on 64 keys");
   // dQ: the warpgroups' dS^T halves form one tile of the 128 keys, and warpgroup w computes a 64 x 64 piece of one
   // dQ tile over all of them (d64: one tile a query block, not one per warpgroup over its own keys, halves the

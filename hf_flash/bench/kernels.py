@@ -196,8 +196,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--head-dims", default="64,128")
     parser.add_argument("--seqlens", default="", help="comma list overriding the grid's S")
     parser.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
-                        help=f"comma list of hf_flash, {B.FA4}, {B.FLEX}, {', '.join(B.SDPA)}, {B.SDPA_DEFAULT} ({B.FA4} "
-                             f"when it imports; {B.SDPA_DEFAULT}, SDPA's own pick, in the rel_bias pairs only; "
+                        help=f"comma list of hf_flash, {B.FA4}, {B.FLEX}, {', '.join(B.SDPA)}, {B.SDPA_DEFAULT} "
+                             f"({B.FA4} when it imports; {B.SDPA_DEFAULT}, SDPA's own pick, in the rel_bias pairs only; "
                              f"{B.FLEX} in the rel_bias and softcap pairs)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (median, spread)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
