@@ -123,10 +123,11 @@ at::Tensor sinks_for_kernel(const c10::optional<at::Tensor>& sinks, const at::Te
   return sinks->to(at::kFloat).contiguous();
 }
 
-// A relative position bias table as the kernels read it: float32, contiguous (heads, 2R + 1); undefined without.
-// Columns no (row, key) pair can reach are cut off: distances lie within the longest sequence, so a radius past it
-// changes nothing but the backward's shared memory. Sets p.rel_bias / rel_bias_radius (after fill_common); the
-// returned tensor must outlive the launch.
+// A relative position bias table as the kernels read it: float32, contiguous (heads, 2R + 1) with kRelBiasPad
+// copies of each row's end entries on either side (flash.h: the kernels read near-diagonal blocks unclamped);
+// undefined without. Columns no (row, key) pair can reach are cut off: distances lie within the longest sequence,
+// so a radius past it changes nothing but the backward's shared memory. Sets p.rel_bias (head 0, column 0) and
+// rel_bias_radius (after fill_common); the returned tensor must outlive the launch.
 at::Tensor rel_bias_for_kernel(FwdParams& p, const c10::optional<at::Tensor>& rel_bias, const at::Tensor& q,
                                double softcap) {
   if (!rel_bias.has_value()) return at::Tensor();
@@ -136,8 +137,11 @@ at::Tensor rel_bias_for_kernel(FwdParams& p, const c10::optional<at::Tensor>& re
   TORCH_CHECK_TYPE(rel_bias->is_floating_point(), "hf_flash: rel_bias must be a floating-point tensor");
   TORCH_CHECK_VALUE(softcap <= 0, "hf_flash: rel_bias cannot be combined with softcap > 0");
   const int64_t radius = rel_bias->size(1) / 2, reach = std::min<int64_t>(radius, std::max(p.seqlen_q, p.seqlen_k));
-  at::Tensor table = rel_bias->narrow(1, radius - reach, 2 * reach + 1).to(at::kFloat).contiguous();
-  p.rel_bias = table.data_ptr<float>();
+  const at::Tensor used = rel_bias->narrow(1, radius - reach, 2 * reach + 1).to(at::kFloat);
+  const int64_t heads = used.size(0);
+  const at::Tensor table = at::cat({used.narrow(1, 0, 1).expand({heads, kRelBiasPad}), used,
+                                    used.narrow(1, 2 * reach, 1).expand({heads, kRelBiasPad})}, 1);
+  p.rel_bias = table.data_ptr<float>() + kRelBiasPad;
   p.rel_bias_radius = int(reach);
   return table;
 }
@@ -366,7 +370,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   p.dsinks = sink.defined() ? dsinks.data_ptr<float>() : nullptr;
   const at::Tensor rel = rel_bias_for_kernel(p, rel_bias, q, softcap);
   // The kernels' d rel_bias covers the columns they read (rel_bias_for_kernel); the rest of drel is zero.
-  const at::Tensor drel_kernel = !rel.defined() || rel.size(1) == drel.size(1) ? drel : at::empty_like(rel);
+  const int64_t rel_width = rel.defined() ? 2 * int64_t(p.rel_bias_radius) + 1 : 0;  // without the padding
+  const at::Tensor drel_kernel =
+      !rel.defined() || rel_width == drel.size(1) ? drel : at::empty({drel.size(0), rel_width}, drel.options());
   p.drel_bias = rel.defined() ? drel_kernel.data_ptr<float>() : nullptr;
   if (p.seqlen_q == 0 || p.seqlen_k == 0) {
     return {dq.out.zero_(), dk.out.zero_(), dv.out.zero_(), dsinks.zero_(), drel.zero_()};

@@ -37,6 +37,11 @@ constexpr bool is_one_of(int d, const int (&dims)[N]) {
   return false;
 }
 
+// Entries copied past each end of a head's relative bias row (the tables the kernels read; binding.cpp pads them),
+// so the kernels read a block near the diagonal without clamping each element's column (RelBias::table_at).
+constexpr int kRelBiasPad = 256;
+constexpr int64_t rel_bias_stride(int radius) { return 2 * radius + 1 + 2 * kRelBiasPad; }
+
 struct FwdParams {
   const void* __restrict__ q;
   const void* __restrict__ k;
@@ -81,7 +86,8 @@ struct FwdParams {
   int64_t alibi_batch_stride;  // 0 for (h,) slopes
   const float* __restrict__ sinks;  // (h,) learned sink logits (natural log), in every row's denominator; or nullptr
   // Relative position bias (T5): fp32 (h, 2 * rel_bias_radius + 1), added to the scaled logit of row i, key j at the
-  // column RelBias (below) picks; nullptr = none.
+  // column RelBias (below) picks; nullptr = none. Each head's row is padded with kRelBiasPad copies of its end
+  // entries on both sides (row stride rel_bias_stride(radius)); rel_bias points at head 0's column 0.
   const float* __restrict__ rel_bias;
   int rel_bias_radius;
 
@@ -201,13 +207,18 @@ struct KeyWindow {
 // R reads the last entry on its side (T5's buckets saturate at max_distance). hf_flash/reference.py states the same
 // rule (relative_positions).
 struct RelBias {
-  const float* table;  // this head's entries
+  const float* table;  // this head's entries (column 0; kRelBiasPad padded entries before and after)
   int width, shift;    // 2R + 1; column = clamp(j - i + shift, 0, 2R)
   __device__ __forceinline__ RelBias(const FwdParams& p, int head, int seqlen_q, int seqlen_k)
-      : table(p.rel_bias ? p.rel_bias + int64_t(head) * (2 * p.rel_bias_radius + 1) : nullptr),
+      : table(p.rel_bias ? p.rel_bias + int64_t(head) * rel_bias_stride(p.rel_bias_radius) : nullptr),
         width(2 * p.rel_bias_radius + 1), shift(p.rel_bias_radius - (seqlen_k - seqlen_q)) {}
   // Column of (row i, key j) given d = j - i.
   __device__ __forceinline__ int column(int d) const { return min(max(d + shift, 0), width - 1); }
+  // The entry of d = j - i without the clamp: the padding holds the end entries, so this reads the same value for
+  // every d whose column is off the table by at most kRelBiasPad. Blocks that block_column() does not saturate
+  // are that close: rows [m0, m_last] x keys [n0, n_last] with (m_last - m0) + (n_last - n0) <= kRelBiasPad.
+  // table_at(d0) + c with a compile-time c is one load with an immediate offset (no clamp, no address math).
+  __device__ __forceinline__ const float* table_at(int d) const { return table + d + shift; }
   __device__ __forceinline__ float at(int i, int j) const { return __ldg(table + column(j - i)); }
   // The one column every (row, key) of rows [m0, m_last] x keys [n0, n_last] reads, or -1 (saturated blocks
   // far from the diagonal: one value for the whole block).

@@ -171,9 +171,10 @@ struct RelBiasGrad {
       slot = tile::smem_u32(staging(p, smem_sums) + warp * 8 * kRow) + lane_slot();
     }
   }
-  // The bias of bin b, parity p's diagonal (after begin()).
+  // The bias of bin b, parity p's diagonal (after begin()), read unclamped (RelBias::table_at): for a tile of a
+  // block that RelBias::block_column does not saturate, whose rows and keys span at most kRelBiasPad.
   __device__ __forceinline__ float bin_bias(int b, int par) const {
-    return __ldg(rb.table + rb.column(base - 8 * (b - 1) - par));
+    return __ldg(rb.table_at(base) - 8 * (b - 1) - par);
   }
   // step(j, x_j) in order j = 0, 1, ..., kJ - 1, finish() after the last; then commit() (every lane of the warp),
   // which may wait (under the next GEMM, when the tile's registers are free) until before the next tile's steps.

@@ -164,10 +164,14 @@ __device__ __forceinline__ void apply_mask(float (&s)[kMTiles][kNTiles][4], cons
 // Relative position bias on S (unscaled q.k or softcapped scores): s += units * bias, units = log2(e) / scale_log2
 // (the bias is a natural-log logit). Element (mi, nt, e) is row row_of(mi, e / 2), key n0 + 8 nt + 2t + e % 2; rows
 // [m0, m_last] x keys [n0, n0 + kNTiles * 8) all saturated on one side add one value. Elements on one diagonal read
-// one address (the compiler shares the loads).
-template <int kMTiles, int kNTiles, class RowOf>
+// one address (the compiler shares the loads). They read the padded table unclamped (RelBias::table_at), each load
+// one instruction off a per-row base (the caller's rows span at most kMaxRows), or, kClamped, each column clamped:
+// more instructions, but fewer loads in flight at once (with unclamped loads ptxas spilled 184 bytes in the d64
+// three-consumer forward, whose 128 registers hold S, O and the loads).
+template <int kMaxRows, bool kClamped, int kMTiles, int kNTiles, class RowOf>
 __device__ __forceinline__ void add_rel_bias(float (&s)[kMTiles][kNTiles][4], const RelBias& rb, float units,
                                              int m0, int m_last, int n0, int t, RowOf row_of) {
+  static_assert(kClamped || kMaxRows - 1 + kNTiles * 8 - 1 <= kRelBiasPad, "a block's diagonals within the padding");
   const int c = rb.block_column(m0, m_last, n0, n0 + kNTiles * 8 - 1);
   if (c >= 0) {
     const float b = units * __ldg(rb.table + c);
@@ -180,15 +184,21 @@ __device__ __forceinline__ void add_rel_bias(float (&s)[kMTiles][kNTiles][4], co
     return;
   }
 #pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi)
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    // Row row_of(mi, 1) is 8 below row_of(mi, 0): its diagonals are 8 less, so its loads are the row above's
+    // (one base, compile-time offsets: the compiler shares them).
+    const int d0 = n0 + 2 * t - row_of(mi, 0);
+    const float* bias = rb.table_at(d0);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int d0 = n0 + 2 * t - row_of(mi, half);
+    for (int half = 0; half < 2; ++half)
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) s[mi][nt][half * 2 + e] += units * __ldg(rb.table + rb.column(d0 + nt * 8 + e));
-    }
+        for (int e = 0; e < 2; ++e) {
+          const int c = nt * 8 + e - 8 * half;
+          s[mi][nt][half * 2 + e] += units * __ldg(kClamped ? rb.table + rb.column(d0 + c) : bias + c);
+        }
+  }
 }
 
 // A row's normalisation: O = acc * inv and its natural-log LSE, from its max (log2 units) and its sum of

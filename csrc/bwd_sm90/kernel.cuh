@@ -517,6 +517,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // (RelBias::block_column; most warps at long S): the bias is then one value and its d logits one sum, so its
     // passes run without the per-element columns and the staging (warp-uniform branches around the loops only: the
     // waits and wgmmas stay on one path).
+    static_assert(kBlockM - 1 + 15 <= kRelBiasPad, "bin_bias reads a non-saturated block unclamped");
     const int sat_col = kRelBias ? rel.rb.block_column(m0, m0 + kBlockM - 1, key0 - g, key0 - g + 15) : -1;
     auto by_column = [&](auto loop) {  // loop(sat): sat = std::true_type for a one-column warp
       if constexpr (kRelBias) {
@@ -678,9 +679,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       rel.add_block(0, sat_lo);  // the one-column warps' totals
       rel.add_block(rel.rb.width - 1, sat_hi);
       sat_lo = sat_hi = 0.f;
-      sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);
-      rel.flush(p, head, tid, Tr::kConsumerThreads);
-      sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);  // zeroed before the next head's adds
+      if (!p.rel_bias_in_gmem) {  // shared sums (launch.cuh puts them in global memory on Hopper: nothing to flush)
+        sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);
+        rel.flush(p, head, tid, Tr::kConsumerThreads);
+        sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);  // zeroed before the next head's adds
+      }
     }
   };
   for (int it = 0; it < iters; ++it) {

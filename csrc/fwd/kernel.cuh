@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(Tr::kThreads) fwd_kernel(const __grid_constant
             s[mi][nt][e] -= alibi * float(abs(row_of(mi, e >> 1) + w.diag - j));
           }
     }
-    if (rb.table) add_rel_bias(s, rb, kLog2e / scale_log2, m0, m_last, n0, t, row_of);
+    if (rb.table) add_rel_bias<kBlockM, false>(s, rb, kLog2e / scale_log2, m0, m_last, n0, t, row_of);
     if (!w.covers(m0, m_last, n0, n0 + kBlockN - 1)) apply_mask(s, w, n0, t, row_of);
 
     online_softmax<Tr>(s, row_max, row_sum, o, scale_log2);

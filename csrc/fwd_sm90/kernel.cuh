@@ -265,7 +265,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     auto softmax = [&](int it, auto masked, auto scores) {
       if constexpr (decltype(scores)::value == Scores::kSoftcap) fwd::apply_softcap(s, p.softcap, scale_over_cap);
       if constexpr (decltype(scores)::value == Scores::kRelBias) {
-        fwd::add_rel_bias(s, rb, fwd::kLog2e / scale_log2, row0 - g, row0 - g + 15, key0(it), t, row_of);
+        fwd::add_rel_bias<16, Tr::kConsumers == 3>(s, rb, fwd::kLog2e / scale_log2, row0 - g, row0 - g + 15, key0(it),
+                                                   t, row_of);
       }
       if constexpr (decltype(masked)::value) fwd::apply_mask(s, w, key0(it), t, row_of);
       fwd::softmax_step<Tr, Tr::kStaleLog2>(s, row_max, row_sum, alpha, scale_log2);
