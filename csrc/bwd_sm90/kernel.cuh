@@ -54,6 +54,7 @@ struct BwdSm90Traits {
   // memory (the kernel's `exchange`). No duplicated GEMM beyond d256's; the exchange buffer and a ring of two dQ
   // slots (not three) per warpgroup fill the shared memory.
   static constexpr bool kCluster = kHeadDim == 512;
+  static constexpr int kCtasPerTile = kCluster ? 2 : 1;  // the grid's CTAs per (key block, kv head, batch)
   static constexpr bool kDSplit = bwd_sm90_splits_d(kHeadDim);
   static constexpr int kD = kCluster ? kHeadDim / 2 : kHeadDim;  // columns this CTA loads and owns
   static constexpr int kColumns = kHeadDim;                      // of the tensors
@@ -88,8 +89,8 @@ struct BwdSm90Traits {
   // 128 * 24 + 256 * 240 <= 64K registers.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // Named barriers of the two consumer warpgroups (0 is __syncthreads): the dS^T halves written, the single dS^T
-  // buffer free again (the bias at d64), a query head's d rel_bias sums complete / zeroed.
-  enum NamedBarrier { kDStWritten = 1, kDStFree = 2, kRelFlush = 3 };
+  // buffer free again (the bias at d64).
+  enum NamedBarrier { kDStWritten = 1, kDStFree = 2 };
   // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, kDStBuffers dS^T tiles (kBlockN keys x
   // kBlockM), the dQ slots (kDqSlotCols / 32 panels of kBlockM rows x 32 fp32 each: the dq_acc map's boxes), the LSE
   // and D rings, then the mbarriers kv_full, full[kStages], empty[kStages], (dq_full, dq_empty)[kDqSlots], with one
@@ -148,7 +149,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
 
   // Pairs (kv head, batch), blocks = key blocks: block 0 sees the most query blocks (sm90/schedule.cuh). d512: a
   // cluster of two CTAs a tile, rank r owning columns 256 r .. of d.
-  constexpr int kCtasPerTile = Tr::kCluster ? 2 : 1;
+  constexpr int kCtasPerTile = Tr::kCtasPerTile;
   const uint32_t rank = Tr::kCluster ? sm90::cluster_ctarank() : 0;
   const int col_base = Tr::kCluster ? kD * int(rank) : 0;
   const int n_blocks = gridDim.x / kCtasPerTile / (p.h_k * p.b);
@@ -536,7 +537,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       return lse2;
     };
     // d rel_bias of a pass's d logits: staged by diagonal (added by commit() under the dQ / dK wgmmas), or, in a
-    // one-column warp, summed into this thread's total of that column (added once a query head, before the flush).
+    // one-column warp, summed into this thread's total of that column (added once a query head).
     auto rel_pass = [&](auto sat, auto&& each_j) {
       [[maybe_unused]] float sum = 0.f;
 #pragma unroll
@@ -675,15 +676,12 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     sm90::fence_operand(dv);
     sm90::fence_operand(dk);
     sm90::mbar_arrive(empty(st));  // this thread's wgmmas on stage st and its LSE / D reads are done
-    if (kRelBias && mi + 1 == kb.m_count) {  // this head's d rel_bias sums: both warpgroups' adds are done
-      rel.add_block(0, sat_lo);  // the one-column warps' totals
+    // This head's one-column warps' totals. The sums are drel_bias itself (launch.cuh: rel_bias_smem with
+    // sums_in_gmem), so there is nothing to flush.
+    if (kRelBias && mi + 1 == kb.m_count) {
+      rel.add_block(0, sat_lo);
       rel.add_block(rel.rb.width - 1, sat_hi);
       sat_lo = sat_hi = 0.f;
-      if (!p.rel_bias_in_gmem) {  // shared sums (launch.cuh puts them in global memory on Hopper: nothing to flush)
-        sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);
-        rel.flush(p, head, tid, Tr::kConsumerThreads);
-        sm90::named_barrier_sync(Tr::kRelFlush, Tr::kConsumerThreads);  // zeroed before the next head's adds
-      }
     }
   };
   for (int it = 0; it < iters; ++it) {

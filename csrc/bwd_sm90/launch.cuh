@@ -59,9 +59,8 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
                                         int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2, int64_t(32) << 20);
   // A dependent of the prologue's last kernel and the convert kernel's primary: 2-4 launch gaps a call hidden.
   // d512: a cluster of two CTAs a tile (kernel.cuh).
-  constexpr int kCtasPerTile = Tr::kCluster ? 2 : 1;
-  err = launch_kernel(kernel, kCtasPerTile * n_blocks * pairs, Tr::kThreads, smem, stream,
-                      LaunchAttrs(/*dependent=*/true, kCtasPerTile), pk, maps, ws.dsum, ws.counters, group);
+  err = launch_kernel(kernel, Tr::kCtasPerTile * n_blocks * pairs, Tr::kThreads, smem, stream,
+                      LaunchAttrs(/*dependent=*/true, Tr::kCtasPerTile), pk, maps, ws.dsum, ws.counters, group);
   if (err != cudaSuccess) return err;
   return bwd::bwd_epilogue<kIsBf16, kHeadDim>(p, ws, stream, /*dependent=*/true);
 }
