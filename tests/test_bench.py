@@ -582,18 +582,70 @@ def test_flex_backend_matches_reference(on_cpu, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", FLEX_CASES)
 def test_flex_backend_gradients_on_gpu(case):
-    """The compiled FlexAttention column's output and gradients (the bias table's too) against float64. Where
-    Inductor finds no kernel config for a case (torch 2.11 on the H100 for some learnable-bias shapes: the bench
-    reports those cells n/a with the same reason) the case is skipped, naming it."""
-    try:
-        out, ref, leaves, ref_leaves = _flex_case("cuda", torch.bfloat16, *case, grad=True)
-        dout = torch.randn_like(out)
-        grads = torch.autograd.grad(out, leaves, dout)
-    except Exception as e:  # noqa: BLE001  (only Inductor's own compile failures are skipped)
-        if not type(e).__module__.startswith("torch._inductor"):
-            raise
-        pytest.skip(f"FlexAttention does not compile this case on torch {torch.__version__}: {str(e)[:200]}")
+    """The compiled FlexAttention column's output and gradients (the bias table's too) against float64, with the
+    smaller blocks where Inductor has no config for its defaults (torch 2.11 on the H100, learnable-bias shapes)."""
+    out, ref, leaves, ref_leaves = _flex_case("cuda", torch.bfloat16, *case, grad=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, dout)
     ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g.double(), r, atol=5e-2 * max(1.0, r.abs().max().item()) ** 0.5, rtol=5e-2)
+
+
+
+def test_flex_falls_back_to_smaller_blocks(monkeypatch):
+    """Where Inductor finds no config for the default blocks (in the forward or, compiled lazily, the backward), the
+    column probes once per shape and runs with FLEX_SMALL_BLOCKS; any other error is raised."""
+    from hf_flash.bench import backends
+
+    class NoConfig(RuntimeError):
+        pass
+
+    NoConfig.__module__ = "torch._inductor.exc"  # what Inductor raises
+
+    class FailingBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise NoConfig("No valid triton configs. OutOfResources: out of resource: shared memory")
+
+    calls = []
+
+    def fake_flex(fail_in):
+        def run(q, k, v, block_mask=None, enable_gqa=False, kernel_options=None, **mods):
+            calls.append(kernel_options)
+            if kernel_options is None and fail_in == "fwd":
+                raise NoConfig("No valid triton configs. OutOfResources: out of resource: shared memory")
+            out = q + 0 * (k.sum() + v.sum())  # every leaf in the graph, as in the real kernel
+            return FailingBackward.apply(out) if kernel_options is None and fail_in == "bwd" else out
+        return run
+
+    monkeypatch.setattr(backends, "_compiles", lambda device: True)  # the probe runs where flex is compiled
+    small = backends.FLEX_SMALL_BLOCKS
+    q, k, v = (torch.randn(1, 4, 2, 8, requires_grad=True) for _ in range(3))
+    for fail_in in ("fwd", "bwd", "none"):
+        probe = [None]  # the defaults, once per shape
+        calls.clear()
+        backends._flex_options.clear()
+        monkeypatch.setattr(backends, "_flex_attention", lambda device, f=fake_flex(fail_in): f)
+        flex = backends._flex(False, -1, 0.0, 0.0)
+        out = flex(q, k, v)
+        chosen = None if fail_in == "none" else small
+        assert calls == probe + [chosen], (fail_in, calls)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))  # the chosen blocks' backward runs
+        flex(q, k, v)
+        assert calls[-1] == chosen and len(calls) == len(probe) + 2  # kept per shape: no second probe
+        assert bool(backends.flex_options_used()) == (fail_in != "none")
+
+    def other(*a, **kw):
+        raise ValueError("not a config failure")
+
+    backends._flex_options.clear()
+    monkeypatch.setattr(backends, "_flex_attention", lambda device: other)
+    with pytest.raises(ValueError, match="not a config failure"):
+        backends._flex(False, -1, 0.0, 0.0)(q, k, v)
+    backends._flex_options.clear()

@@ -117,7 +117,11 @@ def _flex_attention(device: str):
     """flex_attention compiled (its Triton kernels) on a GPU; the eager reference loop elsewhere (CPU tests)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False) if device != "cpu" else flex_attention
+    return torch.compile(flex_attention, dynamic=False) if _compiles(device) else flex_attention
+
+
+def _compiles(device: str) -> bool:
+    return device != "cpu"
 
 
 @functools.lru_cache(maxsize=16)
@@ -137,9 +141,23 @@ def _flex_block_mask(causal: bool, window: int, seqlen_q: int, seqlen_k: int, de
     return create_block_mask(visible, None, None, seqlen_q, seqlen_k, device=device)
 
 
+# Inductor's default blocks for a learnable captured table overflow shared memory at some shapes (torch 2.11,
+# H100: "No valid triton configs ... out of resource", forward and backward): such a shape runs with these, the
+# smaller blocks Inductor's own message suggests, found by one forward + backward probe per shape.
+FLEX_SMALL_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 64, "num_stages": 1, "num_warps": 4,
+                     "BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 32}
+_flex_options: dict = {}  # per shape key: None (the defaults compile) or FLEX_SMALL_BLOCKS
+
+
+def flex_options_used() -> dict:
+    """The shapes (key: q / k shapes, dtype, mask, feature) that run with FLEX_SMALL_BLOCKS, for the bench's notes."""
+    return {k: v for k, v in _flex_options.items() if v is not None}
+
+
 def _flex(causal: bool, window: int, dropout_p: float, softcap: float):
     """FlexAttention on (B, S, H, D): causal / window as a block mask, softcap and T5's relative bias (the float32
-    (H, 2R+1) table, with its gradient through the captured tensor) as a score_mod; no dropout or sinks."""
+    (H, 2R+1) table, with its gradient through the captured tensor) as a score_mod; no dropout or sinks. Inductor's
+    default blocks, or FLEX_SMALL_BLOCKS where it finds no config for them."""
     if dropout_p:
         raise NotImplementedError(f"{FLEX}: no attention dropout")
 
@@ -159,11 +177,27 @@ def _flex(causal: bool, window: int, dropout_p: float, softcap: float):
                 return score + rel_bias[h, torch.clamp(kv_idx - q_idx - shift, -radius, radius) + radius]
 
             mods["score_mod"] = bias
-        out = _flex_attention(q.device.type)(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            block_mask=_flex_block_mask(causal, window, sq, sk, str(q.device)), enable_gqa=k.shape[2] != q.shape[2],
-            **mods)
-        return out.transpose(1, 2)
+        def call(options):
+            return _flex_attention(q.device.type)(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                block_mask=_flex_block_mask(causal, window, sq, sk, str(q.device)),
+                enable_gqa=k.shape[2] != q.shape[2], kernel_options=options, **mods).transpose(1, 2)
+
+        leaves = [t for t in (q, k, v, rel_bias) if t is not None and t.requires_grad]
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, causal, window, softcap,
+               None if rel_bias is None else tuple(rel_bias.shape), bool(leaves))
+        if _compiles(q.device.type) and key not in _flex_options:
+            try:  # the backward compiles at its first call: probe it too
+                out = call(None)
+                if leaves:
+                    torch.autograd.grad(out, leaves, torch.ones_like(out))
+                _flex_options[key] = None
+            except Exception as e:  # noqa: BLE001  (only Inductor's failure to find a config falls back)
+                if not type(e).__module__.startswith("torch._inductor") or not any(
+                        m in str(e) for m in ("out of resource", "No valid triton configs")):
+                    raise
+                _flex_options[key] = dict(FLEX_SMALL_BLOCKS)
+        return call(_flex_options.get(key))
 
     return flex
 

@@ -461,6 +461,9 @@ def run(args) -> None:
     print(json.dumps(env))
     for (mode, case, name), why in errors.items():
         print(f"n/a: {mode} {case} {name}: {why}")
+    for key in B.flex_options_used():
+        print(f"note: {B.FLEX} ran q {key[0]}, k {key[1]} with kernel_options={B.FLEX_SMALL_BLOCKS} (Inductor found "
+              "no config for its default blocks)")
     print(host_table(rows))
     print(feature_costs(rows))
     print(summary(rows))
