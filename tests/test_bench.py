@@ -583,10 +583,20 @@ def test_flex_backend_matches_reference(on_cpu, case):
 @pytest.mark.parametrize("case", FLEX_CASES)
 def test_flex_backend_gradients_on_gpu(case):
     """The compiled FlexAttention column's output and gradients (the bias table's too) against float64, with the
-    smaller blocks where Inductor has no config for its defaults (torch 2.11 on the H100, learnable-bias shapes)."""
-    out, ref, leaves, ref_leaves = _flex_case("cuda", torch.bfloat16, *case, grad=True)
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, dout)
+    smaller blocks where Inductor has no config for its defaults (torch 2.11 on the H100, learnable-bias shapes).
+    A case Inductor compiles with neither (its decoding kernel at a short windowed GQA shape on torch 2.11, which
+    the bench reports n/a with the same reason) is skipped, naming it."""
+    from hf_flash.bench import backends
+
+    try:
+        out, ref, leaves, ref_leaves = _flex_case("cuda", torch.bfloat16, *case, grad=True)
+        dout = torch.randn_like(out)
+        grads = torch.autograd.grad(out, leaves, dout)
+    except Exception as e:  # noqa: BLE001  (only Inductor's failure to find a kernel config is skipped)
+        if not type(e).__module__.startswith("torch._inductor") or not any(
+                m in str(e) for m in backends.FLEX_NO_CONFIG):
+            raise
+        pytest.skip(f"FlexAttention does not compile this case on torch {torch.__version__}: {str(e)[:200]}")
     ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
     torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
     for g, r in zip(grads, ref_grads):

@@ -117,7 +117,15 @@ def _flex_attention(device: str):
     """flex_attention compiled (its Triton kernels) on a GPU; the eager reference loop elsewhere (CPU tests)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False) if _compiles(device) else flex_attention
+    if not _compiles(device):
+        return flex_attention
+    import torch._dynamo
+    import torch._functorch.config
+
+    # One graph per shape, feature and block choice: past dynamo's default limit of 8 it would run flex unfused.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    torch._functorch.config.donated_buffer = False  # the bench reruns a backward over its retained graph
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _compiles(device: str) -> bool:
@@ -146,6 +154,7 @@ def _flex_block_mask(causal: bool, window: int, seqlen_q: int, seqlen_k: int, de
 # smaller blocks Inductor's own message suggests, found by one forward + backward probe per shape.
 FLEX_SMALL_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 64, "num_stages": 1, "num_warps": 4,
                      "BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 32}
+FLEX_NO_CONFIG = ("out of resource", "No valid triton configs", "No choices to select")  # Inductor's messages
 _flex_options: dict = {}  # per shape key: None (the defaults compile) or FLEX_SMALL_BLOCKS
 
 
@@ -194,7 +203,7 @@ def _flex(causal: bool, window: int, dropout_p: float, softcap: float):
                 _flex_options[key] = None
             except Exception as e:  # noqa: BLE001  (only Inductor's failure to find a config falls back)
                 if not type(e).__module__.startswith("torch._inductor") or not any(
-                        m in str(e) for m in ("out of resource", "No valid triton configs")):
+                        m in str(e) for m in FLEX_NO_CONFIG):
                     raise
                 _flex_options[key] = dict(FLEX_SMALL_BLOCKS)
         return call(_flex_options.get(key))
