@@ -123,8 +123,10 @@ static __global__ void __launch_bounds__(kSinkThreads) sink_grad_kernel(const Bw
 // Where the staging rows do not fit next to a kernel's tiles (p.rel_bias_direct: GPUs smaller than sm_90's, where
 // every kernel has room by its traits' static_assert), every bin goes straight into the sums instead; where the
 // sums do not fit either, and always in the Hopper kernels (p.rel_bias_in_gmem, bwd::rel_bias_smem), they are
-// p.drel_bias itself.
-template <int kJ>
+// p.drel_bias itself. kGlobalSums: the caller's launcher always puts the sums in global memory (the Hopper
+// kernels), so each add is one reduction instruction (a generic float atomic also carries the shared-memory
+// compare-and-swap path, a space check and a branch per add).
+template <int kJ, bool kGlobalSums = false>
 struct RelBiasGrad {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   static constexpr bool kMayBeDirect = false;
@@ -132,11 +134,12 @@ struct RelBiasGrad {
   static constexpr bool kMayBeDirect = true;
 #endif
   static constexpr int kDiags = rel_scratch_diagonals(kJ), kRow = rel_scratch_stride(kJ);
+  static __device__ __forceinline__ bool in_gmem(const BwdParams& p) { return kGlobalSums || p.rel_bias_in_gmem; }
   // Bin b, parity p of lane (g, t) lands on bank (t (2 kRow - 2) + g + const) % 32: distinct for the 32 lanes when
   // 2 kRow - 2 is an odd multiple of 8.
   static_assert(kRow >= kDiags && (2 * kRow - 2) % 16 == 8, "staging rows: every diagonal, conflict-free stores");
   RelBias rb;
-  float* sums;     // shared, rb.width floats, zero between flushes; or (p.rel_bias_in_gmem) this head's drel_bias
+  float* sums;     // shared, rb.width floats, zero between flushes; or (in_gmem(p)) this head's drel_bias
   float scale;     // d logit = x * scale (the main kernel's dS carries softmax_scale)
   float add_scale;  // scale applied per add: `scale` straight into global memory, else 1 (flush applies it)
   // Shared address of this lane's slot of bin 0, parity 0 (row 2t of its warp's staging rows): bin b, parity p at
@@ -147,19 +150,19 @@ struct RelBiasGrad {
 
   __device__ __forceinline__ RelBiasGrad(float* smem_sums, const BwdParams& p, int head, const Seq& seq, float scale_)
       : rb(p, head, seq.sq, seq.sk),
-        sums(p.rel_bias_in_gmem && p.drel_bias ? p.drel_bias + int64_t(head) * rb.width : smem_sums),
-        scale(scale_), add_scale(p.rel_bias_in_gmem ? scale_ : 1.f) {}
+        sums(in_gmem(p) && p.drel_bias ? p.drel_bias + int64_t(head) * rb.width : smem_sums),
+        scale(scale_), add_scale(in_gmem(p) ? scale_ : 1.f) {}
   // Whether this launch stages (else p.rel_bias_direct: one add per bin).
   static __device__ __forceinline__ bool staged(const BwdParams& p) { return !(kMayBeDirect && p.rel_bias_direct); }
   // The staging rows follow the shared sums (or take their place when the sums live in global memory).
   static __device__ __forceinline__ float* staging(const BwdParams& p, float* smem_sums) {
-    return smem_sums + (p.rel_bias_in_gmem ? 0 : rel_sums_floats(p.rel_bias_radius));
+    return smem_sums + (in_gmem(p) ? 0 : rel_sums_floats(p.rel_bias_radius));
   }
   // Sums and staging rows start at zero (a barrier orders this before the first add): a slot no lane writes (the
   // rows' ragged ends) reads as 0 in every tile.
   static __device__ __forceinline__ void zero(const BwdParams& p, float* smem_sums, int tid, int threads) {
     if (!p.rel_bias) return;
-    const int n = (p.rel_bias_in_gmem ? 0 : rel_sums_floats(p.rel_bias_radius)) +
+    const int n = (in_gmem(p) ? 0 : rel_sums_floats(p.rel_bias_radius)) +
                   (staged(p) ? rel_scratch_floats(kJ) : 0);
     for (int c = tid; c < n; c += threads) smem_sums[c] = 0.f;
   }
@@ -208,7 +211,7 @@ struct RelBiasGrad {
         } else if (c == rb.width - 1) {
           hi += sum;
         } else {
-          atomicAdd(sums + c, sum * add_scale);  // one lane per column in this warp
+          add(sums + c, sum * add_scale);  // one lane per column in this warp
         }
       }
     }
@@ -220,8 +223,8 @@ struct RelBiasGrad {
         hi += __shfl_xor_sync(0xffffffffu, hi, s);
       }
       if (lane == 0) {
-        atomicAdd(sums, lo * add_scale);
-        if (rb.width > 1) atomicAdd(sums + rb.width - 1, hi * add_scale);
+        add(sums, lo * add_scale);
+        if (rb.width > 1) add(sums + rb.width - 1, hi * add_scale);
       }
     }
   }
@@ -229,13 +232,13 @@ struct RelBiasGrad {
   __device__ __forceinline__ void add_block(int column, float x_sum) {
 #pragma unroll
     for (int s = 16; s > 0; s /= 2) x_sum += __shfl_xor_sync(0xffffffff, x_sum, s);
-    if (threadIdx.x % 32 == 0) atomicAdd(sums + column, x_sum * add_scale);
+    if (threadIdx.x % 32 == 0) add(sums + column, x_sum * add_scale);
   }
   // After a barrier that follows every add of a query head: its sums into p.drel_bias, and zeroed (the caller's
   // next barrier orders the zeros before the next adds). Thread `tid` of `threads`.
   __device__ __forceinline__ void flush(const BwdParams& p, int head, int tid = threadIdx.x,
                                         int threads = kThreads) const {
-    if (p.rel_bias_in_gmem) return;  // added there already
+    if (in_gmem(p)) return;  // added there already
     for (int c = tid; c < rb.width; c += threads) {
       const float v = sums[c];
       if (v != 0.f) atomicAdd(p.drel_bias + int64_t(head) * rb.width + c, v * scale);
@@ -245,6 +248,13 @@ struct RelBiasGrad {
 
  private:
   __device__ __forceinline__ bool direct() const { return kMayBeDirect && !slot; }
+  static __device__ __forceinline__ void add(float* at, float v) {
+    if constexpr (kGlobalSums) {
+      asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(at), "f"(v) : "memory");
+    } else {
+      atomicAdd(at, v);
+    }
+  }
   // Lane (g, t)'s bin 0, parity 0 in its warp's rows: row 2t, the diagonal's offset from the warp's first one
   // (key0 - row0 - 8 kJ + 1), in bytes.
   static __device__ __forceinline__ uint32_t lane_slot() {
@@ -254,8 +264,8 @@ struct RelBiasGrad {
   // Bin b's parity 0 and 1 sums (diagonals base - 8 (b - 1) and one less).
   __device__ __forceinline__ void put(int b, float v0, float v1) {
     if (direct()) {
-      atomicAdd(sums + rb.column(base - 8 * (b - 1)), v0 * add_scale);
-      atomicAdd(sums + rb.column(base - 8 * (b - 1) - 1), v1 * add_scale);
+      add(sums + rb.column(base - 8 * (b - 1)), v0 * add_scale);
+      add(sums + rb.column(base - 8 * (b - 1) - 1), v1 * add_scale);
       return;
     }
     asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(slot - 32 * b), "f"(v0));

@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
   // below).
   float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kRel);
-  if constexpr (kRelBias) bwd::RelBiasGrad<Tr::kRelJ>::zero(p, s_rel, threadIdx.x, Tr::kThreads);
+  if constexpr (kRelBias) bwd::RelBiasGrad<Tr::kRelJ, true>::zero(p, s_rel, threadIdx.x, Tr::kThreads);
 
   if (threadIdx.x == 0) {
     sm90::mbar_init(kv_full, 1);
@@ -512,7 +512,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // The pointwise passes are straight-line code, the bias's a compile-time variant (kRelBias): a branch on it inside
     // the unrolled loops cut them into basic blocks the scheduler could not interleave (1.25x the d64 backward's
     // time; 3% at d128).
-    bwd::RelBiasGrad<Tr::kRelJ> rel(s_rel, p, head, seq, 1.f / p.softmax_scale);  // this warp's 16 keys
+    bwd::RelBiasGrad<Tr::kRelJ, true> rel(s_rel, p, head, seq, 1.f / p.softmax_scale);  // this warp's 16 keys
     if constexpr (kRelBias) rel.begin(p, s_rel, tid / 32, key0 - g, m0, g, t);
     // A warp whose 16 keys x the block's rows all lie past the table's radius on one side reads one column
     // (RelBias::block_column; most warps at long S): the bias is then one value and its d logits one sum, so its
