@@ -603,7 +603,6 @@ def test_flex_backend_gradients_on_gpu(case):
         torch.testing.assert_close(g.double(), r, atol=5e-2 * max(1.0, r.abs().max().item()) ** 0.5, rtol=5e-2)
 
 
-
 def test_flex_falls_back_to_smaller_blocks(monkeypatch):
     """Where Inductor finds no config for the default blocks (in the forward or, compiled lazily, the backward), the
     column probes once per shape and runs with FLEX_SMALL_BLOCKS; any other error is raised."""
