@@ -210,8 +210,12 @@ struct RelBias {
   const float* table;  // this head's entries (column 0; kRelBiasPad padded entries before and after)
   int width, shift;    // 2R + 1; column = clamp(j - i + shift, 0, 2R)
   __device__ __forceinline__ RelBias(const FwdParams& p, int head, int seqlen_q, int seqlen_k)
-      : table(p.rel_bias ? p.rel_bias + int64_t(head) * rel_bias_stride(p.rel_bias_radius) : nullptr),
-        width(2 * p.rel_bias_radius + 1), shift(p.rel_bias_radius - (seqlen_k - seqlen_q)) {}
+      : table(head_table(p, head)), width(2 * p.rel_bias_radius + 1),
+        shift(p.rel_bias_radius - (seqlen_k - seqlen_q)) {}
+  // Head `head`'s row of p.rel_bias (its column 0), or nullptr without a bias.
+  static __device__ __forceinline__ const float* head_table(const FwdParams& p, int head) {
+    return p.rel_bias ? p.rel_bias + int64_t(head) * rel_bias_stride(p.rel_bias_radius) : nullptr;
+  }
   // Column of (row i, key j) given d = j - i.
   __device__ __forceinline__ int column(int d) const { return min(max(d + shift, 0), width - 1); }
   // The entry of d = j - i without the clamp: the padding holds the end entries, so this reads the same value for

@@ -123,8 +123,8 @@ static __global__ void __launch_bounds__(kSinkThreads) sink_grad_kernel(const Bw
 // Where the staging rows do not fit next to a kernel's tiles (p.rel_bias_direct: GPUs smaller than sm_90's, where
 // every kernel has room by its traits' static_assert), every bin goes straight into the sums instead; where the
 // sums do not fit either, and always in the Hopper kernels (p.rel_bias_in_gmem, bwd::rel_bias_smem), they are
-// p.drel_bias itself. kGlobalSums: the caller's launcher always puts the sums in global memory (the Hopper
-// kernels), so each add is one reduction instruction (a generic float atomic also carries the shared-memory
+// p.drel_bias itself. kGlobalSums: the caller's launcher always puts the sums there (the Hopper kernels'
+// kRelSumsInGmem), so each add is one reduction instruction (a generic float atomic also carries the shared-memory
 // compare-and-swap path, a space check and a branch per add).
 template <int kJ, bool kGlobalSums = false>
 struct RelBiasGrad {

@@ -55,6 +55,9 @@ struct BwdSm90Traits {
   // slots (not three) per warpgroup fill the shared memory.
   static constexpr bool kCluster = kHeadDim == 512;
   static constexpr int kCtasPerTile = kCluster ? 2 : 1;  // the grid's CTAs per (key block, kv head, batch)
+  // d rel_bias goes straight into drel_bias (launch.cuh: bwd::rel_bias_smem; bwd::RelBiasGrad's reductions): a
+  // float add there is one instruction, into shared memory a compare-and-swap loop on sm_90.
+  static constexpr bool kRelSumsInGmem = true;
   static constexpr bool kDSplit = bwd_sm90_splits_d(kHeadDim);
   static constexpr int kD = kCluster ? kHeadDim / 2 : kHeadDim;  // columns this CTA loads and owns
   static constexpr int kColumns = kHeadDim;                      // of the tensors
@@ -175,7 +178,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
   // below).
   float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kRel);
-  if constexpr (kRelBias) bwd::RelBiasGrad<Tr::kRelJ, true>::zero(p, s_rel, threadIdx.x, Tr::kThreads);
+  using RelGrad = bwd::RelBiasGrad<Tr::kRelJ, Tr::kRelSumsInGmem>;
+  if constexpr (kRelBias) RelGrad::zero(p, s_rel, threadIdx.x, Tr::kThreads);
 
   if (threadIdx.x == 0) {
     sm90::mbar_init(kv_full, 1);
@@ -512,7 +516,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // The pointwise passes are straight-line code, the bias's a compile-time variant (kRelBias): a branch on it inside
     // the unrolled loops cut them into basic blocks the scheduler could not interleave (1.25x the d64 backward's
     // time; 3% at d128).
-    bwd::RelBiasGrad<Tr::kRelJ, true> rel(s_rel, p, head, seq, 1.f / p.softmax_scale);  // this warp's 16 keys
+    RelGrad rel(s_rel, p, head, seq, 1.f / p.softmax_scale);  // this warp's 16 keys
     if constexpr (kRelBias) rel.begin(p, s_rel, tid / 32, key0 - g, m0, g, t);
     // A warp whose 16 keys x the block's rows all lie past the table's radius on one side reads one column
     // (RelBias::block_column; most warps at long S): the bias is then one value and its d logits one sum, so its
@@ -676,8 +680,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     sm90::fence_operand(dv);
     sm90::fence_operand(dk);
     sm90::mbar_arrive(empty(st));  // this thread's wgmmas on stage st and its LSE / D reads are done
-    // This head's one-column warps' totals. The sums are drel_bias itself (launch.cuh: rel_bias_smem with
-    // sums_in_gmem), so there is nothing to flush.
+    // This head's one-column warps' totals. The sums are drel_bias itself (kRelSumsInGmem), so there is nothing
+    // to flush.
     if (kRelBias && mi + 1 == kb.m_count) {
       rel.add_block(0, sat_lo);
       rel.add_block(rel.rb.width - 1, sat_hi);

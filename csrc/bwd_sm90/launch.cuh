@@ -47,7 +47,7 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   }
   if (err != cudaSuccess) return err;
   BwdParams pk = p;  // + where the d rel_bias sums live
-  const int smem = bwd::rel_bias_smem(pk, Tr::kSmemBytes, Tr::kRelJ, /*sums_in_gmem=*/true);
+  const int smem = bwd::rel_bias_smem(pk, Tr::kSmemBytes, Tr::kRelJ, Tr::kRelSumsInGmem);
   err = allow_smem(kernel, smem);
   if (err != cudaSuccess) return err;
 

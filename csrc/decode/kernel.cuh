@@ -108,8 +108,7 @@ __global__ void __launch_bounds__(Tr::kThreads) decode_kernel(const __grid_const
     alibi[half] = p.alibi_slopes && valid
                       ? p.alibi_slopes[batch * p.alibi_batch_stride + head_of(r)] * kLog2e / scale_log2
                       : 0.f;
-    rel_table[half] =
-        p.rel_bias ? p.rel_bias + int64_t(valid ? head_of(r) : 0) * rel_bias_stride(p.rel_bias_radius) : nullptr;
+    rel_table[half] = RelBias::head_table(p, valid ? head_of(r) : 0);
   }
   const bool has_alibi = p.alibi_slopes != nullptr;
 

@@ -154,8 +154,13 @@ def _flex_block_mask(causal: bool, window: int, seqlen_q: int, seqlen_k: int, de
 # smaller blocks Inductor's own message suggests, found by one forward + backward probe per shape.
 FLEX_SMALL_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 64, "num_stages": 1, "num_warps": 4,
                      "BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 32}
-FLEX_NO_CONFIG = ("out of resource", "No valid triton configs", "No choices to select")  # Inductor's messages
 _flex_options: dict = {}  # per shape key: None (the defaults compile) or FLEX_SMALL_BLOCKS
+
+
+def flex_no_config(e: BaseException) -> bool:
+    """Whether ``e`` is Inductor finding no kernel config for a flex shape (the one failure that falls back)."""
+    return type(e).__module__.startswith("torch._inductor") and any(
+        m in str(e) for m in ("out of resource", "No valid triton configs", "No choices to select"))
 
 
 def flex_options_used() -> dict:
@@ -202,8 +207,7 @@ def _flex(causal: bool, window: int, dropout_p: float, softcap: float):
                     torch.autograd.grad(out, leaves, torch.ones_like(out))
                 _flex_options[key] = None
             except Exception as e:  # noqa: BLE001  (only Inductor's failure to find a config falls back)
-                if not type(e).__module__.startswith("torch._inductor") or not any(
-                        m in str(e) for m in FLEX_NO_CONFIG):
+                if not flex_no_config(e):
                     raise
                 _flex_options[key] = dict(FLEX_SMALL_BLOCKS)
         return call(_flex_options.get(key))
