@@ -125,25 +125,31 @@ at::Tensor sinks_for_kernel(const c10::optional<at::Tensor>& sinks, const at::Te
 
 // A relative position bias table as the kernels read it: float32, contiguous (heads, 2R + 1) with kRelBiasPad
 // copies of each row's end entries on either side (flash.h: the kernels read near-diagonal blocks unclamped);
-// undefined without. Columns no (row, key) pair can reach are cut off: distances lie within the longest sequence,
-// so a radius past it changes nothing but the backward's shared memory. Sets p.rel_bias (head 0, column 0) and
-// rel_bias_radius (after fill_common); the returned tensor must outlive the launch.
-at::Tensor rel_bias_for_kernel(FwdParams& p, const c10::optional<at::Tensor>& rel_bias, const at::Tensor& q,
-                               double softcap) {
-  if (!rel_bias.has_value()) return at::Tensor();
+// undefined without. Allocated here, written by the call's first kernel from the caller's rows (RelBias::fill:
+// launch_rel_bias_fill, or the backward's prologue). Columns no (row, key) pair can reach are cut off: distances
+// lie within the longest sequence, so a radius past it changes nothing but the backward's shared memory. Sets
+// p.rel_bias (head 0, column 0), its source and rel_bias_radius (after fill_common); the returned tensors must
+// outlive the launch.
+struct RelBiasTables {
+  at::Tensor source, padded;  // the caller's rows in fp32, the kernels' padded table
+  bool defined() const { return padded.defined(); }
+};
+RelBiasTables rel_bias_for_kernel(FwdParams& p, const c10::optional<at::Tensor>& rel_bias, const at::Tensor& q,
+                                  double softcap) {
+  if (!rel_bias.has_value()) return {};
   TORCH_CHECK_VALUE(rel_bias->device() == q.device() && rel_bias->dim() == 2 && rel_bias->size(0) == q.size(-2) &&
                         rel_bias->size(1) % 2 == 1,
                     "hf_flash: rel_bias must be a (heads, 2 * radius + 1) tensor on q's device");
   TORCH_CHECK_TYPE(rel_bias->is_floating_point(), "hf_flash: rel_bias must be a floating-point tensor");
   TORCH_CHECK_VALUE(softcap <= 0, "hf_flash: rel_bias cannot be combined with softcap > 0");
   const int64_t radius = rel_bias->size(1) / 2, reach = std::min<int64_t>(radius, std::max(p.seqlen_q, p.seqlen_k));
-  const at::Tensor used = rel_bias->narrow(1, radius - reach, 2 * reach + 1).to(at::kFloat);
-  const int64_t heads = used.size(0);
-  const at::Tensor table = at::cat({used.narrow(1, 0, 1).expand({heads, kRelBiasPad}), used,
-                                    used.narrow(1, 2 * reach, 1).expand({heads, kRelBiasPad})}, 1);
-  p.rel_bias = table.data_ptr<float>() + kRelBiasPad;
+  const at::Tensor source = rel_bias->to(at::kFloat).contiguous();
+  const at::Tensor padded = at::empty({source.size(0), rel_bias_stride(int(reach))}, source.options());
+  p.rel_bias = padded.data_ptr<float>() + kRelBiasPad;
+  p.rel_bias_src = source.data_ptr<float>() + (radius - reach);
+  p.rel_bias_src_stride = source.size(1);
   p.rel_bias_radius = int(reach);
-  return table;
+  return {source, padded};
 }
 
 void fill_common(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -245,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(
               causal, window_left, window_right, softcap, alibi, dropout_p, rng_state);
   const at::Tensor sink = sinks_for_kernel(sinks, q);
   p.sinks = sink.defined() ? sink.data_ptr<float>() : nullptr;
-  const at::Tensor rel = rel_bias_for_kernel(p, rel_bias, q, softcap);
+  const RelBiasTables rel = rel_bias_for_kernel(p, rel_bias, q, softcap);
   if (p.seqlen_q == 0 || p.seqlen_k == 0) {  // no row sees a key: O = 0, LSE = the sink (+inf without one)
     if (!sink.defined()) return {o.out.zero_(), lse.fill_(INFINITY)};
     return {o.out.zero_(), lse.copy_(varlen ? sink.view({-1, 1}).expand_as(lse) : sink.view({1, -1, 1}).expand_as(lse))};
@@ -286,7 +292,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache_cuda(
               softmax_scale, causal, window_left, window_right, softcap, alibi, 0.0, c10::nullopt);
   const at::Tensor sink = sinks_for_kernel(sinks, q);  // every row gets it, also one with no cached key
   p.sinks = sink.defined() ? sink.data_ptr<float>() : nullptr;
-  const at::Tensor rel = rel_bias_for_kernel(p, rel_bias, q, softcap);
+  const RelBiasTables rel = rel_bias_for_kernel(p, rel_bias, q, softcap);
   at::Tensor leftpad;  // keeps a contiguous copy alive until the launch
   if (cache_leftpad.has_value()) {
     TORCH_CHECK_TYPE(cache_leftpad->is_cuda() && cache_leftpad->scalar_type() == at::kInt &&
@@ -368,7 +374,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> bwd_cuda(
   p.rel_bias_in_gmem = p.rel_bias_direct = false;  // the launchers decide (bwd::rel_bias_smem)
   p.sinks = sink.defined() ? sink.data_ptr<float>() : nullptr;
   p.dsinks = sink.defined() ? dsinks.data_ptr<float>() : nullptr;
-  const at::Tensor rel = rel_bias_for_kernel(p, rel_bias, q, softcap);
+  const RelBiasTables rel = rel_bias_for_kernel(p, rel_bias, q, softcap);
   // The kernels' d rel_bias covers the columns they read (rel_bias_for_kernel); the rest of drel is zero.
   const int64_t rel_width = rel.defined() ? 2 * int64_t(p.rel_bias_radius) + 1 : 0;  // without the padding
   const at::Tensor drel_kernel =

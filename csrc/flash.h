@@ -87,8 +87,12 @@ struct FwdParams {
   const float* __restrict__ sinks;  // (h,) learned sink logits (natural log), in every row's denominator; or nullptr
   // Relative position bias (T5): fp32 (h, 2 * rel_bias_radius + 1), added to the scaled logit of row i, key j at the
   // column RelBias (below) picks; nullptr = none. Each head's row is padded with kRelBiasPad copies of its end
-  // entries on both sides (row stride rel_bias_stride(radius)); rel_bias points at head 0's column 0.
-  const float* __restrict__ rel_bias;
+  // entries on both sides (row stride rel_bias_stride(radius)); rel_bias points at head 0's column 0. The call's
+  // first kernel writes it (RelBias::fill) from the caller's table: rel_bias_src, fp32 rows of
+  // rel_bias_src_stride floats, at the column of distance -rel_bias_radius.
+  float* __restrict__ rel_bias;
+  const float* __restrict__ rel_bias_src;
+  int64_t rel_bias_src_stride;
   int rel_bias_radius;
 
   // Dropout on P (after softmax), kept values scaled by 1/(1-p). The mask for element (batch, head, i, j) comes
@@ -212,6 +216,12 @@ struct RelBias {
   __device__ __forceinline__ RelBias(const FwdParams& p, int head, int seqlen_q, int seqlen_k)
       : table(head_table(p, head)), width(2 * p.rel_bias_radius + 1),
         shift(p.rel_bias_radius - (seqlen_k - seqlen_q)) {}
+  // Entry i of the padded rows (heads x rel_bias_stride(radius), in order) from the caller's table.
+  static __device__ __forceinline__ void fill(const FwdParams& p, int64_t i) {
+    const int64_t row = rel_bias_stride(p.rel_bias_radius), head = i / row;
+    const int c = int(i - head * row) - kRelBiasPad;
+    p.rel_bias[head * row + c] = p.rel_bias_src[head * p.rel_bias_src_stride + min(max(c, 0), 2 * p.rel_bias_radius)];
+  }
   // Head `head`'s row of p.rel_bias (its column 0), or nullptr without a bias.
   static __device__ __forceinline__ const float* head_table(const FwdParams& p, int head) {
     return p.rel_bias ? p.rel_bias + int64_t(head) * rel_bias_stride(p.rel_bias_radius) : nullptr;
@@ -290,6 +300,10 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int 
 // run_fwd picks the Hopper wgmma kernel (run_fwd_sm90) on CC 9.0 for the cases fwd_sm90_supports
 // accepts, the mma.sync kernel (run_fwd_sm80) otherwise (csrc/fwd.cu).
 cudaError_t run_fwd(const FwdParams& params, cudaStream_t stream);
+// With a relative bias, the forward's and decode's first kernel: the padded table (RelBias::fill). The Hopper
+// forward runs as its programmatic dependent (the table is written under the forward's prologue); the backward's
+// prologue writes its own (bwd_common.cuh).
+cudaError_t launch_rel_bias_fill(const FwdParams& params, cudaStream_t stream);
 // Hopper kernels are allowed: a CC 9.0 device, and HF_FLASH_DISABLE_SM90 is not 1 (A/B runs, tests). Defined in
 // the always-compiled csrc/fwd.cu: the backward asks it too.
 bool use_sm90(const FwdParams& params);

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "flash.h"
+#include "tile.cuh"
 
 namespace hf_flash {
 
@@ -20,8 +21,23 @@ bool fwd_sm90_supports(const FwdParams& p) {
          p.seqused_k == nullptr && p.leftpad_k == nullptr;
 }
 
+static __global__ void rel_bias_fill_kernel(const FwdParams p) {
+  tile::grid_launch_dependents();  // the Hopper forward may start: it waits before its first bias read
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < int64_t(p.h) * rel_bias_stride(p.rel_bias_radius)) RelBias::fill(p, i);
+}
+
+cudaError_t launch_rel_bias_fill(const FwdParams& p, cudaStream_t s) {
+  if (!p.rel_bias) return cudaSuccess;
+  const int64_t n = int64_t(p.h) * rel_bias_stride(p.rel_bias_radius);
+  rel_bias_fill_kernel<<<int((n + 255) / 256), 256, 0, s>>>(p);
+  return cudaGetLastError();
+}
+
 #ifndef HF_FLASH_DISABLE_FORWARD
 cudaError_t run_fwd(const FwdParams& p, cudaStream_t s) {
+  const cudaError_t err = launch_rel_bias_fill(p, s);
+  if (err != cudaSuccess) return err;
   return run_sm90_or_sm80(use_sm90(p) && fwd_sm90_supports(p), run_fwd_sm90, run_fwd_sm80, p, s);
 }
 #endif

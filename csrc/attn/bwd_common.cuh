@@ -55,6 +55,12 @@ __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const BwdParams p, f
   constexpr int kLanes = dot_lanes(kHeadDim), kChunks = kHeadDim / 8 / kLanes;  // 16-byte chunks per lane
   static_assert(kLanes >= 4 && 32 % kLanes == 0 && kChunks * kLanes * 8 == kHeadDim, "lane groups");
   tile::grid_launch_dependents();  // the Hopper backward may start: it waits for D before reading it
+  if (p.rel_bias) {  // the padded bias table (RelBias::fill) and the zeroed d rel_bias sums
+    const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x, step = int64_t(gridDim.x) * kThreads;
+    const int64_t n = int64_t(p.h) * rel_bias_stride(p.rel_bias_radius), sums = int64_t(p.h) * (2 * p.rel_bias_radius + 1);
+    for (int64_t i = first; i < n; i += step) RelBias::fill(p, i);
+    for (int64_t i = first; i < sums; i += step) p.drel_bias[i] = 0.f;
+  }
   const int64_t item = (int64_t(blockIdx.x) * kThreads + threadIdx.x) / kLanes;
   const int lane = threadIdx.x % kLanes;
   const bool ok = item < int64_t(p.total_q) * p.h;
@@ -298,8 +304,8 @@ __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p,
 }
 
 // The backward around either main kernel, one stream and no host synchronisation:
-//   bwd_prologue  zeroes the fp32 dQ accumulators and d rel_bias, writes D = rowsum(dO * O) into the workspace and
-//                 d sinks;
+//   bwd_prologue  zeroes the fp32 dQ accumulators and d rel_bias, writes the padded bias table (RelBias::fill),
+//                 D = rowsum(dO * O) into the workspace and d sinks;
 //   bwd_epilogue  sums the accumulators into dq.
 struct BwdWorkspace {
   float* dsum;
@@ -324,9 +330,6 @@ template <bool kIsBf16, int kHeadDim>
 cudaError_t bwd_prologue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(ws.dq_acc, 0, sizeof(float) * ws.dq_copy_floats * ws.copies, stream);
   if (err == cudaSuccess && ws.counters) err = cudaMemsetAsync(ws.counters, 0, sizeof(int) * ws.n_counters, stream);
-  if (err == cudaSuccess && p.rel_bias) {
-    err = cudaMemsetAsync(p.drel_bias, 0, sizeof(float) * p.h * (2 * p.rel_bias_radius + 1), stream);
-  }
   if (err != cudaSuccess) return err;
   const int64_t row_warps = int64_t(p.total_q) * p.h;
   constexpr int kDotLanes = dot_lanes(kHeadDim);

@@ -13,7 +13,8 @@ cudaError_t run_decode_hdim(const FwdParams& p, cudaStream_t stream) {
   if (rows == 0 || p.b == 0) return cudaSuccess;
   const dim3 grid((rows + Tr::kBlockM - 1) / Tr::kBlockM, p.num_splits, p.b * p.h_k);
   auto kernel = &decode::decode_kernel<Tr>;
-  const cudaError_t err = allow_smem(kernel, Tr::kSmemBytes);
+  cudaError_t err = allow_smem(kernel, Tr::kSmemBytes);
+  if (err == cudaSuccess) err = launch_rel_bias_fill(p, stream);
   if (err != cudaSuccess) return err;
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
   if (p.num_splits > 1) {

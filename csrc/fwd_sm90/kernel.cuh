@@ -207,6 +207,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   // ---- consumers ----------------------------------------------------------------------------
   sm90::regs_alloc<Tr::kConsumerRegs>();
+  if (p.rel_bias) tile::grid_dependency_wait();  // the bias table is written (launch_rel_bias_fill)
   const int wg = sm90::warpgroup_index() - 1, warp = threadIdx.x % 128 / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;  // accumulator row / column pair within a warp's 16 x 8 tile
   const float scale_log2 = p.softmax_scale_log2;  // log2(e) with softcap (applied to the scaled scores)

@@ -56,8 +56,9 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   err = allow_smem(kernel, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, maps, group);
-  return cudaGetLastError();
+  // With a bias, the dependent of its table's fill (launch_rel_bias_fill): set up and load under it.
+  return launch_kernel(kernel, grid, Tr::kThreads, Tr::kSmemBytes, stream, LaunchAttrs(p.rel_bias != nullptr), p,
+                       maps, group);
 }
 
 // d64 runs 192-row CTAs (three consumer warpgroups) except causal attention over at most 1k query rows, where
