@@ -318,6 +318,9 @@ struct BwdWorkspace {
   int copies;
   int* counters;  // the Hopper backward's dQ order (deterministic mode; else nullptr)
   size_t n_counters;
+  // 16-byte chunks from dq_acc on that start at zero: the accumulators and the counters after them, to the
+  // workspace's end (the layout's pieces are 256-byte aligned).
+  int64_t zero_chunks;
   explicit BwdWorkspace(const BwdParams& p) {
     const WorkspaceLayout ws(p);
     auto* base = static_cast<unsigned char*>(p.workspace);
@@ -327,21 +330,18 @@ struct BwdWorkspace {
     copies = dq_copies(p);
     n_counters = ws.counters;
     counters = n_counters ? reinterpret_cast<int*>(base + ws.counters_offset) : nullptr;
+    zero_chunks = int64_t(ws.bytes - ws.dq_offset) / 16;
   }
 };
 
 template <bool kIsBf16, int kHeadDim>
 cudaError_t bwd_prologue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
-  // The dQ accumulators and, in deterministic mode, the counters after them (WorkspaceLayout: 256-byte aligned
-  // pieces, so the range rounds up to 16 bytes inside the workspace) are zeroed by dot_do_o_kernel beside D, not
-  // by a memset in front of it (a launch and a pass of its own: 15 µs of t5-base's 230 µs backward).
-  const auto* begin = reinterpret_cast<const char*>(ws.dq_acc);
-  const auto* end = ws.counters ? reinterpret_cast<const char*>(ws.counters + ws.n_counters)
-                                : reinterpret_cast<const char*>(ws.dq_acc + ws.dq_copy_floats * ws.copies);
+  // ws.zero_chunks are zeroed by dot_do_o_kernel beside D, not by a memset in front of it (a launch and a pass of
+  // its own: 15 µs of t5-base's 230 µs backward).
   const int64_t row_warps = int64_t(p.total_q) * p.h;
   constexpr int kDotLanes = dot_lanes(kHeadDim);
   dot_do_o_kernel<kIsBf16, kHeadDim><<<(row_warps * kDotLanes + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      p, ws.dsum, reinterpret_cast<uint4*>(ws.dq_acc), (end - begin + 15) / 16);
+      p, ws.dsum, reinterpret_cast<uint4*>(ws.dq_acc), ws.zero_chunks);
   if (p.sinks) sink_grad_kernel<<<p.h, kSinkThreads, 0, stream>>>(p, ws.dsum);
   return cudaSuccess;
 }
