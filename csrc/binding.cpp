@@ -143,11 +143,12 @@ RelBiasTables rel_bias_for_kernel(FwdParams& p, const c10::optional<at::Tensor>&
   TORCH_CHECK_TYPE(rel_bias->is_floating_point(), "hf_flash: rel_bias must be a floating-point tensor");
   TORCH_CHECK_VALUE(softcap <= 0, "hf_flash: rel_bias cannot be combined with softcap > 0");
   const int64_t radius = rel_bias->size(1) / 2, reach = std::min<int64_t>(radius, std::max(p.seqlen_q, p.seqlen_k));
-  const at::Tensor source = rel_bias->to(at::kFloat).contiguous();
+  const at::Tensor source = rel_bias->to(at::kFloat);  // any strides (RelBias::fill reads them)
   const at::Tensor padded = at::empty({source.size(0), rel_bias_stride(int(reach))}, source.options());
   p.rel_bias = padded.data_ptr<float>() + kRelBiasPad;
-  p.rel_bias_src = source.data_ptr<float>() + (radius - reach);
-  p.rel_bias_src_stride = source.size(1);
+  p.rel_bias_src = source.data_ptr<float>() + (radius - reach) * source.stride(1);
+  p.rel_bias_src_head_stride = source.stride(0);
+  p.rel_bias_src_col_stride = source.stride(1);
   p.rel_bias_radius = int(reach);
   return {source, padded};
 }

@@ -88,11 +88,12 @@ struct FwdParams {
   // Relative position bias (T5): fp32 (h, 2 * rel_bias_radius + 1), added to the scaled logit of row i, key j at the
   // column RelBias (below) picks; nullptr = none. Each head's row is padded with kRelBiasPad copies of its end
   // entries on both sides (row stride rel_bias_stride(radius)); rel_bias points at head 0's column 0. The call's
-  // first kernel writes it (RelBias::fill) from the caller's table: rel_bias_src, fp32 rows of
-  // rel_bias_src_stride floats, at the column of distance -rel_bias_radius.
+  // first kernel writes it (RelBias::fill) from the caller's table: rel_bias_src, fp32 with strides
+  // (rel_bias_src_head_stride, rel_bias_src_col_stride) in floats, at the column of distance -rel_bias_radius (a view
+  // as T5's compute_bias returns it is read in place).
   float* __restrict__ rel_bias;
   const float* __restrict__ rel_bias_src;
-  int64_t rel_bias_src_stride;
+  int64_t rel_bias_src_head_stride, rel_bias_src_col_stride;
   int rel_bias_radius;
 
   // Dropout on P (after softmax), kept values scaled by 1/(1-p). The mask for element (batch, head, i, j) comes
@@ -220,7 +221,8 @@ struct RelBias {
   static __device__ __forceinline__ void fill(const FwdParams& p, int64_t i) {
     const int64_t row = rel_bias_stride(p.rel_bias_radius), head = i / row;
     const int c = int(i - head * row) - kRelBiasPad;
-    p.rel_bias[head * row + c] = p.rel_bias_src[head * p.rel_bias_src_stride + min(max(c, 0), 2 * p.rel_bias_radius)];
+    p.rel_bias[head * row + c] = p.rel_bias_src[head * p.rel_bias_src_head_stride +
+                                                min(max(c, 0), 2 * p.rel_bias_radius) * p.rel_bias_src_col_stride];
   }
   // Head `head`'s row of p.rel_bias (its column 0), or nullptr without a bias.
   static __device__ __forceinline__ const float* head_table(const FwdParams& p, int head) {

@@ -1,8 +1,8 @@
 """T5's relative position bias (``rel_bias`` (H, 2R+1)) on the CUDA kernels against the reference in float32:
 forward, LSE and the gradients of q, k, v and the table, dense (the Hopper forward and backward at d64 / d128, the
 mma.sync ones with HF_FLASH_DISABLE_SM90=1, with dropout and at the other head dims, zero-padded ones included),
-varlen with empty documents, the KV cache (forward only); d rel_bias's float32 atomic sums reproducible within
-rounding; the Hopper kernels against the mma.sync ones; the refusals (softcap, deterministic training).
+varlen with empty documents, the KV cache (forward only), a strided table; d rel_bias's float32 atomic sums
+reproducible within rounding; the Hopper kernels against the mma.sync ones; the refusals (softcap, deterministic training).
 Rule: test_kernels_sinks.py's, ``max|ours - ref| <= 3 * max|torch_same_precision - ref| + max(eps, 1e-3) *
 max(1, max|ref|)``, ref being ``naive_attention`` in float32 on the inputs (rounded to the input dtype), d
 rel_bias's with the backward's rounding of O added (``_ref_grads``), and torch_same_precision ``naive_attention``
@@ -249,3 +249,18 @@ def test_radius_beyond_shared_memory():
     """The backward keeps d rel_bias's sums of the columns in reach in shared memory; where they do not fit next to
     the d512 tiles (4097 keys: 32 KB more), the kernel adds into global memory instead: same results."""
     _dense(4097, 4097, 1, 1, 512, True, 5000, torch.bfloat16)
+
+
+@pytest.mark.parametrize("d", (64, 128))
+def test_strided_table(d):
+    """A table viewed with strides (T5's compute_bias leaves (H, 2R + 1) as a transposed view of (2R + 1, H)) is read
+    in place, as its contiguous copy: the same output, and its gradient within the float32 sums' rounding."""
+    q, k, v = (randn(2, 150, 4, d, dtype=torch.bfloat16) for _ in range(3))
+    rows = torch.randn(2 * 40 + 1, 4, device="cuda", requires_grad=True)
+    dense = rows.detach().t().contiguous().requires_grad_()
+    out = flash_attn_func(q, k, v, causal=True, rel_bias=rows.t())
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=True, rel_bias=dense))
+    dout = randn(*out.shape, dtype=torch.bfloat16)
+    (grad,) = torch.autograd.grad(out, rows, dout)
+    (grad_dense,) = torch.autograd.grad(flash_attn_func(q, k, v, causal=True, rel_bias=dense), dense, dout)
+    torch.testing.assert_close(grad.t(), grad_dense, rtol=1e-5, atol=1e-5 * grad_dense.abs().max().item())
