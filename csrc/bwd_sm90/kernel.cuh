@@ -391,6 +391,17 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     const uint32_t dst = base + Tr::kDSt + it % Tr::kDStBuffers * Tr::kDStBytes;  // dS^T tile
     const float* lse_st = s_lse + st * kBlockM;
     const float* dsum_st = s_dsum + st * kBlockM;
+    // A warp whose 16 keys x the block's rows all lie past the table's radius on one side reads one column
+    // (RelBias::block_column; most warps at long S): the bias is then one value and its d logits one sum, so its
+    // passes run without the per-element columns and the staging. Its value is loaded here, before the waits, so
+    // its latency runs under the wgmmas instead of after them.
+    [[maybe_unused]] int sat_col = -1;
+    [[maybe_unused]] float sat_bias2 = 0.f;  // log2 units
+    if constexpr (kRelBias) {
+      const RelBias rb(p, head, seq.sq, seq.sk);
+      sat_col = rb.block_column(m0, m0 + kBlockM - 1, key0 - g, key0 - g + 15);
+      if (sat_col >= 0) sat_bias2 = bwd::kLog2e * __ldg(rb.table + sat_col);
+    }
     sm90::mbar_wait(full(st), int(unsigned(it) / kStages) & 1);
 
     // The rows' LSE / D (scaled by the producer) in registers before the Sᵀ wgmma is issued: loaded after it, behind
@@ -518,12 +529,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // time; 3% at d128).
     RelGrad rel(s_rel, p, head, seq, 1.f / p.softmax_scale);  // this warp's 16 keys
     if constexpr (kRelBias) rel.begin(p, s_rel, tid / 32, key0 - g, m0, g, t);
-    // A warp whose 16 keys x the block's rows all lie past the table's radius on one side reads one column
-    // (RelBias::block_column; most warps at long S): the bias is then one value and its d logits one sum, so its
-    // passes run without the per-element columns and the staging (warp-uniform branches around the loops only: the
-    // waits and wgmmas stay on one path).
+    // One-column warps (sat_col >= 0) take warp-uniform branches around the loops only: the waits and wgmmas stay
+    // on one path.
     static_assert(kBlockM - 1 + 15 <= kRelBiasPad, "bin_bias reads a non-saturated block unclamped");
-    const int sat_col = kRelBias ? rel.rb.block_column(m0, m0 + kBlockM - 1, key0 - g, key0 - g + 15) : -1;
     auto by_column = [&](auto loop) {  // loop(sat): sat = std::true_type for a one-column warp
       if constexpr (kRelBias) {
         if (sat_col >= 0) loop(std::true_type{});
@@ -536,7 +544,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // r % 2 (RelBiasGrad).
     auto lse2_at = [&](auto sat, int j, int r, float2 l2) {
       float lse2 = r % 2 ? l2.y : l2.x;
-      if constexpr (decltype(sat)::value) lse2 -= bwd::kLog2e * __ldg(rel.rb.table + sat_col);
+      if constexpr (decltype(sat)::value) lse2 -= sat_bias2;
       else if constexpr (kRelBias) lse2 -= bwd::kLog2e * rel.bin_bias(j + 1 - r / 2, r % 2);
       return lse2;
     };
