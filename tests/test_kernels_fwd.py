@@ -218,7 +218,10 @@ def test_opcheck_fwd_with_rel_bias(varlen):
         args = (q, k, v, cu, cu, 30, 30, 0.125, False, -1, -1, 0.0, None, 0.0, None, False, None, table)
     else:
         args = (*_op_args(requires_grad=True), None, table)
-    torch.library.opcheck(torch.ops.hf_flash.fwd.default, args)
+    # d rel_bias is float32 atomics in an order that changes between the eager and the compiled run (never
+    # deterministic: the binding says so); opcheck's float32 default (1e-5 absolute) failed once by 1.5e-5 on a
+    # column summing the whole far side. test_drel_bias_reproducible bounds the same reordering.
+    torch.library.opcheck(torch.ops.hf_flash.fwd.default, args, atol=1e-4, rtol=1e-5)
 
 
 def test_opcheck_fwd_varlen():
