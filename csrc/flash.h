@@ -217,7 +217,11 @@ struct RelBias {
   __device__ __forceinline__ RelBias(const FwdParams& p, int head, int seqlen_q, int seqlen_k)
       : table(head_table(p, head)), width(2 * p.rel_bias_radius + 1),
         shift(p.rel_bias_radius - (seqlen_k - seqlen_q)) {}
-  // Entry i of the padded rows (heads x rel_bias_stride(radius), in order) from the caller's table.
+  // Entries of the padded rows (heads x rel_bias_stride(radius)), which fill() writes one at a time.
+  static __host__ __device__ __forceinline__ int64_t padded_entries(const FwdParams& p) {
+    return int64_t(p.h) * rel_bias_stride(p.rel_bias_radius);
+  }
+  // Entry i of the padded rows, in order, from the caller's table.
   static __device__ __forceinline__ void fill(const FwdParams& p, int64_t i) {
     const int64_t row = rel_bias_stride(p.rel_bias_radius), head = i / row;
     const int c = int(i - head * row) - kRelBiasPad;

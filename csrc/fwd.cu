@@ -24,12 +24,12 @@ bool fwd_sm90_supports(const FwdParams& p) {
 static __global__ void rel_bias_fill_kernel(const FwdParams p) {
   tile::grid_launch_dependents();  // the Hopper forward may start: it waits before its first bias read
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < int64_t(p.h) * rel_bias_stride(p.rel_bias_radius)) RelBias::fill(p, i);
+  if (i < RelBias::padded_entries(p)) RelBias::fill(p, i);
 }
 
 cudaError_t launch_rel_bias_fill(const FwdParams& p, cudaStream_t s) {
   if (!p.rel_bias) return cudaSuccess;
-  const int64_t n = int64_t(p.h) * rel_bias_stride(p.rel_bias_radius);
+  const int64_t n = RelBias::padded_entries(p);
   rel_bias_fill_kernel<<<int((n + 255) / 256), 256, 0, s>>>(p);
   return cudaGetLastError();
 }

@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kThreads) dot_do_o_kernel(const BwdParams p, f
   const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x, step = int64_t(gridDim.x) * kThreads;
   for (int64_t i = first; i < n_zero; i += step) zero[i] = make_uint4(0, 0, 0, 0);
   if (p.rel_bias) {  // the padded bias table (RelBias::fill) and the zeroed d rel_bias sums
-    const int64_t n = int64_t(p.h) * rel_bias_stride(p.rel_bias_radius), sums = int64_t(p.h) * (2 * p.rel_bias_radius + 1);
+    const int64_t n = RelBias::padded_entries(p), sums = int64_t(p.h) * (2 * p.rel_bias_radius + 1);
     for (int64_t i = first; i < n; i += step) RelBias::fill(p, i);
     for (int64_t i = first; i < sums; i += step) p.drel_bias[i] = 0.f;
   }
