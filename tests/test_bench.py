@@ -549,6 +549,88 @@ def test_call_timer_sleeps_ahead_of_the_host(monkeypatch):
     assert len(sleeps) == 3 and gpu_ms == 8.0  # three longer sleeps, then a batch without one
 
 
+def test_sustained_timer_times_the_second_half_and_reads_power(monkeypatch):
+    """Groups of back-to-back calls: the first half of the time untimed, the rest timed by events around whole
+    groups; the board power from the energy counter over the timed wall time, the energy per call from it and
+    the GPU time per call; NaN without NVML; no time, no timer."""
+    import time
+
+    from hf_flash.bench import timing
+
+    calls = []
+
+    class Event:  # a fake GPU: 2 ms a call, in the order queued
+        def __init__(self, enable_timing=False):
+            self.at = None
+
+        def record(self):
+            self.at = len(calls)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 2.0 * (other.at - self.at)
+
+    class Meter:  # a steady 500 W at 1500 MHz
+        def __init__(self):
+            self.t0 = time.perf_counter()
+
+        def energy_mj(self):
+            return 500.0 * (time.perf_counter() - self.t0) * 1e3
+
+        def clock_mhz(self):
+            return 1500.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    timer = object.__new__(timing.SustainedTimer)
+    timer.torch, timer.cycles_per_ms, timer.seconds, timer.meter = torch, 1000.0, 0.2, Meter()
+    fn = lambda: (calls.append(time.perf_counter()), time.sleep(0.001))  # noqa: E731
+    gpu_ms, host_us = timer(fn, calls=4, host_ms_guess=10.0)
+    assert gpu_ms == 2.0 and 1000 <= host_us < 20_000
+    assert timer.last.clock_mhz == 1500.0 and timer.last.watts == pytest.approx(500.0, rel=0.05)
+    assert timer.last.mj_per_call == pytest.approx(timer.last.watts * 2.0)
+    assert calls[-1] - calls[0] >= 0.2 and len(calls) % 4 == 0  # whole groups for the whole time
+    timer.meter = None
+    timer(fn, calls=4, host_ms_guess=10.0)
+    assert timer.last == timing.Power() and all(x != x for x in (timer.last.watts, timer.last.mj_per_call))
+    with pytest.raises(ValueError, match="seconds > 0"):
+        timing.SustainedTimer(0.0)
+
+
+def test_sustained_rows_carry_power_into_the_table_and_results(on_cpu, no_fa4, tmp_path):
+    """A sustained timer's Power lands in the rows (medians over rounds), the power table and the results file
+    under a bench of its own; the default timer's rows leave those columns NaN and out of the file."""
+    from hf_flash.bench import kernels, results, timing
+
+    class Sustained(FakeTimer):
+        def __call__(self, fn, calls, host_ms_guess):
+            out = super().__call__(fn, calls, host_ms_guess)
+            self.last = timing.Power(1400.0 + 10 * len(self.batches), 650.0, 1.5)
+            return out
+
+    case = kernels.Case("tiny", 2, 16, 4, 2, 16, True)
+    rows = kernels.measure_case(case, "fwd", ["hf_flash", "sdpa-math"], 3, Sustained(), torch.float32, {})
+    ours = rows[0]  # rounds 1, 4 and 5, as in the interleaving test
+    assert (ours.clock_mhz, ours.watts, ours.mj_per_call) == (1440.0, 650.0, 1.5)
+    table = kernels.power_table(rows)
+    assert "1440 MHz, 650 W, 1.5 mJ" in table and table.splitlines()[1].split()[1:] == ["hf_flash", "sdpa-math"]
+    plain = kernels.measure_case(case, "fwd", ["hf_flash"], 1, FakeTimer(), torch.float32, {})[0]
+    assert all(x != x for x in (plain.clock_mhz, plain.watts, plain.mj_per_call))
+    path = str(tmp_path / "results.csv")
+    for sustain, got in ((4.0, [ours]), (0.0, [plain])):
+        args = argparse.Namespace(no_record=False, results=path, sustain=sustain)
+        kernels.record(args, got)
+    with open(path) as f:
+        lines = list(csv.DictReader(f))
+    sustained = [r for r in lines if r["bench"] == "kernels sustained 4 s"]
+    assert {r["metric"] for r in sustained} == {"tflops", "gpu_us", "host_us", "clock_mhz", "watts", "mj_per_call"}
+    assert {r["metric"] for r in lines if r["bench"] == "kernels"} == {"tflops", "gpu_us", "host_us"}
+    assert results.COLUMNS == tuple(lines[0])
+
+
 # FlexAttention's column: the same attention as hf_flash's reference, each feature as its score_mod / block mask.
 FLEX_CASES = [  # causal, window, softcap, rel_bias radius, seqlen_q, seqlen_k, heads, kv_heads
     (False, -1, 0.0, 6, 37, 37, 4, 2), (True, -1, 0.0, 6, 29, 45, 4, 4), (True, 5, 0.0, 0, 40, 40, 4, 1),

@@ -22,7 +22,10 @@ Inputs have ``requires_grad=True`` for every pass, as in training; the backward 
 Timing (``timing.CallTimer``): each backend's batch of back-to-back calls is enqueued behind a sleep kernel,
 CUDA events give GPU time per call and the enqueueing's wall clock the host time per call; backends take
 turns in each of ``--rounds`` rounds (rotating who leads) and each cell is the median over rounds, with
-their min-max spread. Writes kernels.csv and kernels.png (hf_flash / max(FA4, cuDNN) per case) to --out,
+their min-max spread. ``--sustain SECONDS`` (``timing.SustainedTimer``) times each backend's turn after
+running it back to back for half that long instead, at the clock the board's power limit leaves (as a long
+training run sees it), with that clock, the board power and the energy per call (NVML) as three more columns.
+Writes kernels.csv and kernels.png (hf_flash / max(FA4, cuDNN) per case) to --out,
 appends to the results file and prints the table last.
 """
 
@@ -30,15 +33,16 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 
 from . import backends as B
-from . import results
-from .timing import CallTimer, median_spread, relative_spread, short_error, take_turns
+from . import power, results
+from .timing import CallTimer, Power, SustainedTimer, median_spread, relative_spread, short_error, take_turns
 
 TOKENS, HIDDEN = 16384, 2048
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -147,6 +151,10 @@ class Row:
     tflops_max: float
     calls: int
     rounds: int
+    # sustained timing only (medians over rounds; NaN otherwise): SM clock, board power, energy per call
+    clock_mhz: float = math.nan
+    watts: float = math.nan
+    mj_per_call: float = math.nan
 
 
 def _size(s: int) -> str:
@@ -201,6 +209,10 @@ def add_arguments(parser) -> None:
                              f"{B.FLEX} in the rel_bias and softcap pairs)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per cell (median, spread)")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    parser.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                        help="time each turn after SECONDS / 2 of back-to-back calls, over SECONDS / 2 more, at the "
+                             "clock the power limit leaves (adds SM clock, board power, energy per call); 0: a "
+                             "~20 ms batch after a sleep (default)")
     parser.add_argument("--out", default="bench_out", help="directory for kernels.csv / kernels.png")
     results.add_arguments(parser)
 
@@ -289,17 +301,18 @@ def measure_case(case: Case, mode: str, names: list[str], rounds: int, timer: Ca
         calls, host_guess = sizes[name]
         gpu_ms, host_us = timer(fn, calls, host_guess)
         sizes[name][1] = host_us * calls * 1e-3  # the next round's sleep from what the host really took
-        return gpu_ms, host_us
+        return gpu_ms, host_us, getattr(timer, "last", Power())
 
     values, failed = take_turns(fns, rounds, measure)
     errors.update({(mode, case.name, name): short_error(e) for name, e in failed.items()})
     rows = []
     for name, per_round in values.items():
-        gpu = median_spread([g for g, _ in per_round])
-        host = median_spread([h for _, h in per_round])
-        tf = median_spread([case.flops(mode) / g * 1e-9 for g, _ in per_round])
+        gpu = median_spread([g for g, _, _ in per_round])
+        host = median_spread([h for _, h, _ in per_round])
+        tf = median_spread([case.flops(mode) / g * 1e-9 for g, _, _ in per_round])
+        seen = {f.name: median_spread([getattr(p, f.name) for _, _, p in per_round])[0] for f in fields(Power)}
         rows.append(Row(mode, case.name, case.d, case.causal, case.seqlen, case.batch, case.heads, case.kv_heads,
-                        name, *gpu, *host, *tf, sizes[name][0], len(per_round)))
+                        name, *gpu, *host, *tf, sizes[name][0], len(per_round), **seen))
     fns = values = inputs = dout = None
     torch.cuda.empty_cache()
     return rows
@@ -377,6 +390,18 @@ def host_table(rows: list[Row]) -> str:
     return "host / GPU µs per call\n" + _table(["case", *names], lines)
 
 
+def power_table(rows: list[Row]) -> str:
+    """Sustained runs: TFLOP/s at the mean SM clock, board power and energy per call, per backend."""
+    names = list(dict.fromkeys(r.backend for r in rows))
+    by = {(r.mode, r.case, r.backend): r for r in rows}
+    lines = []
+    for mode, case in dict.fromkeys((r.mode, r.case) for r in rows):
+        cells = [by.get((mode, case, b)) for b in names]
+        lines.append([f"{mode} {case}", *(f"{c.tflops:.0f} @ {c.clock_mhz:.0f} MHz, {c.watts:.0f} W, "
+                                          f"{c.mj_per_call:.3g} mJ" if c else "-" for c in cells)])
+    return "sustained: TFLOP/s @ SM clock, board power, energy per call\n" + _table(["case", *names], lines)
+
+
 def summary(rows: list[Row]) -> str:
     """case, hf_flash TFLOP/s, fa4, cudnn, ratio vs best (of fa4, cudnn), spread (the widest of the row's
     cells: (max - min) / median over rounds)."""
@@ -416,14 +441,22 @@ def feature_costs(rows: list[Row]) -> str:
     return "\n\n".join(tables)
 
 
+def bench_name(args) -> str:
+    """The results file's bench column: sustained runs apart from the default bursts."""
+    return f"kernels sustained {args.sustain:g} s" if args.sustain else "kernels"
+
+
 def record(args, rows: list[Row]) -> None:
     out = []
     for r in rows:
         case = f"{r.mode} {r.case}"
         out += [results.Result(case, r.backend, "tflops", r.tflops, "TFLOP/s", r.tflops_max - r.tflops_min),
                 results.Result(case, r.backend, "gpu_us", r.gpu_ms * 1e3, "us", (r.gpu_ms_max - r.gpu_ms_min) * 1e3),
-                results.Result(case, r.backend, "host_us", r.host_us, "us", r.host_us_max - r.host_us_min)]
-    results.record(args, "kernels", out)
+                results.Result(case, r.backend, "host_us", r.host_us, "us", r.host_us_max - r.host_us_min),
+                results.Result(case, r.backend, "clock_mhz", r.clock_mhz, "MHz"),
+                results.Result(case, r.backend, "watts", r.watts, "W"),
+                results.Result(case, r.backend, "mj_per_call", r.mj_per_call, "mJ")]  # NaN ones are not written
+    results.record(args, bench_name(args), out)
 
 
 def run(args) -> None:
@@ -437,6 +470,8 @@ def run(args) -> None:
         raise SystemExit(f"unknown --sets {args.sets!r}; choose from {SETS}")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    if args.sustain < 0:
+        raise SystemExit(f"--sustain must be >= 0 seconds, got {args.sustain}")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     from hf_flash import ops
 
@@ -451,6 +486,11 @@ def run(args) -> None:
                  QUICK_SINKS if args.quick else SINK_SHAPES, QUICK_REL_BIAS if args.quick else REL_BIAS_SHAPES,
                  QUICK_DROPOUT if args.quick else DROPOUT_SHAPES, QUICK_SOFTCAP if args.quick else SOFTCAP_SHAPES)
     timer = CallTimer()
+    if args.sustain:
+        meter = power.meter(torch.cuda.current_device())
+        if meter is None:
+            print("--sustain: NVML cannot be read here; clock, power and energy columns left out", file=sys.stderr)
+        timer = SustainedTimer(args.sustain, meter)
     rows, errors, env = [], {}, results.environment()
     for case in tqdm(grid, desc="kernels", unit="case"):
         for mode in modes:
@@ -465,5 +505,7 @@ def run(args) -> None:
         print(f"note: {B.FLEX} ran q {key[0]}, k {key[1]} with kernel_options={B.FLEX_SMALL_BLOCKS} (Inductor found "
               "no config for its default blocks)")
     print(host_table(rows))
+    if args.sustain:
+        print(power_table(rows))
     print(feature_costs(rows))
     print(summary(rows))

@@ -1,10 +1,12 @@
 """Timing shared by the benchmarks: backends take turns in rounds (the first of a round rotates), medians
 over rounds with their spread, and a per-call timer that gives GPU time and host time from one batch of
-back-to-back calls."""
+back-to-back calls (or, sustained, GPU time once the power limit has settled the clock)."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 
@@ -113,3 +115,70 @@ class CallTimer:
         once_ms = (time.perf_counter() - t0) * 1e3  # host + GPU: an upper bound of either
         calls = max(2, min(max_calls, round(target_ms / once_ms)))
         return calls, calls * once_ms
+
+
+@dataclass(frozen=True)
+class Power:
+    """What a sustained measurement saw: mean SM clock (MHz), board power (W) and energy per call (mJ); NaN
+    where NVML could not be read."""
+    clock_mhz: float = math.nan
+    watts: float = math.nan
+    mj_per_call: float = math.nan
+
+
+class SustainedTimer(CallTimer):
+    """GPU time per call once the board's power limit has settled the clock, as in a long training run.
+
+    ``fn`` runs in groups of ``calls`` back-to-back calls for ``seconds``, the first half untimed; CUDA events
+    around the second half's groups give GPU ms per call, and ``meter`` (a ``power.Meter``, or None) the mean SM
+    clock and the energy per call over them. The host waits for the group before the one it has just queued, so
+    the GPU never waits for the host and the queue stays short. Host µs per call come from one sleep-ahead batch
+    first (CallTimer). ``last`` holds the Power of the latest measurement. (A burst of ~20 ms after a sleep, as
+    CallTimer times, runs at up to the boost clock instead: the two rank kernels differently when one draws more
+    power per FLOP.)"""
+
+    def __init__(self, seconds: float, meter=None):
+        if not seconds > 0:
+            raise ValueError(f"sustained timing needs seconds > 0, got {seconds}")
+        super().__init__()
+        self.seconds, self.meter, self.last = seconds, meter, Power()
+
+    def __call__(self, fn: Callable, calls: int, host_ms_guess: float) -> tuple[float, float]:
+        _, host_us = super().__call__(fn, calls, host_ms_guess)
+        gpu_ms, self.last = self._sustain(fn, calls)
+        return gpu_ms, host_us
+
+    def _sustain(self, fn: Callable, calls: int) -> tuple[float, Power]:
+        torch, meter, half = self.torch, self.meter, self.seconds / 2
+
+        def group():
+            for _ in range(calls):
+                fn()
+            done = torch.cuda.Event()
+            done.record()
+            return done
+
+        before = group()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < half:  # untimed: the clock falls to where the power limit holds it
+            before, queued = group(), before
+            queued.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()  # runs as the groups queued so far finish
+        energy0, wall0, clocks, n = meter.energy_mj() if meter else math.nan, time.perf_counter(), [], 0
+        while True:
+            before, queued = group(), before
+            n += calls
+            queued.synchronize()
+            if meter:
+                clocks.append(meter.clock_mhz())
+            if time.perf_counter() - wall0 >= half:
+                break
+        end.record()
+        end.synchronize()
+        wall = time.perf_counter() - wall0
+        gpu_ms = start.elapsed_time(end) / n
+        if not meter:
+            return gpu_ms, Power()
+        watts = (meter.energy_mj() - energy0) * 1e-3 / wall  # a steady draw: the window's ends need not match the GPU's
+        return gpu_ms, Power(statistics.fmean(clocks), watts, watts * gpu_ms)
