@@ -617,6 +617,9 @@ def test_sustained_rows_carry_power_into_the_table_and_results(on_cpu, no_fa4, t
     assert (ours.clock_mhz, ours.watts, ours.mj_per_call) == (1440.0, 650.0, 1.5)
     table = kernels.power_table(rows)
     assert "1440 MHz, 650 W, 1.5 mJ" in table and table.splitlines()[1].split()[1:] == ["hf_flash", "sdpa-math"]
+    assert "host-bound" not in table  # FakeTimer: 10 µs of host against >= 2 ms of GPU a call
+    rows[1].host_us = rows[1].gpu_ms * 1e3
+    assert kernels.power_table(rows).count("host-bound") == 1
     plain = kernels.measure_case(case, "fwd", ["hf_flash"], 1, FakeTimer(), torch.float32, {})[0]
     assert all(x != x for x in (plain.clock_mhz, plain.watts, plain.mj_per_call))
     path = str(tmp_path / "results.csv")

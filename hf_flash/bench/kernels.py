@@ -391,14 +391,17 @@ def host_table(rows: list[Row]) -> str:
 
 
 def power_table(rows: list[Row]) -> str:
-    """Sustained runs: TFLOP/s at the mean SM clock, board power and energy per call, per backend."""
+    """Sustained runs: TFLOP/s at the mean SM clock, board power and energy per call, per backend; "host-bound"
+    where the host takes longer per call than the GPU (the GPU then waits for it between calls, and its time per
+    call is the host's)."""
     names = list(dict.fromkeys(r.backend for r in rows))
     by = {(r.mode, r.case, r.backend): r for r in rows}
     lines = []
     for mode, case in dict.fromkeys((r.mode, r.case) for r in rows):
         cells = [by.get((mode, case, b)) for b in names]
         lines.append([f"{mode} {case}", *(f"{c.tflops:.0f} @ {c.clock_mhz:.0f} MHz, {c.watts:.0f} W, "
-                                          f"{c.mj_per_call:.3g} mJ" if c else "-" for c in cells)])
+                                          f"{c.mj_per_call:.3g} mJ" + (" host-bound" if c.host_us >= c.gpu_ms * 1e3
+                                                                       else "") if c else "-" for c in cells)])
     return "sustained: TFLOP/s @ SM clock, board power, energy per call\n" + _table(["case", *names], lines)
 
 
