@@ -367,7 +367,9 @@ def plot(rows: list[Row], path: str) -> None:
         ax.set_ylabel("hf_flash / max(FA4, cuDNN)")
         ax.set_title(f"{mode}: TFLOP/s ratio (median of rounds)", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"{torch.cuda.get_device_name()}, bf16, inputs requiring grad")
+    sustained = any(math.isfinite(r.clock_mhz) for r in rows)
+    fig.suptitle(f"{torch.cuda.get_device_name()}, bf16, inputs requiring grad"
+                 + (", sustained (at the power limit's clock)" if sustained else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
