@@ -592,10 +592,13 @@ def test_sustained_timer_times_the_second_half_and_reads_power(monkeypatch):
     assert gpu_ms == 2.0 and 1000 <= host_us < 20_000
     assert timer.last.clock_mhz == 1500.0 and timer.last.watts == pytest.approx(500.0, rel=0.05)
     assert timer.last.mj_per_call == pytest.approx(timer.last.watts * 2.0)
+    assert 1000 <= timer.last.enqueue_us < 1500 and not timer.last.host_bound(gpu_ms)  # ~1 ms a call against 2
     assert calls[-1] - calls[0] >= 0.2 and len(calls) % 4 == 0  # whole groups for the whole time
     timer.meter = None
-    timer(fn, calls=4, host_ms_guess=10.0)
-    assert timer.last == timing.Power() and all(x != x for x in (timer.last.watts, timer.last.mj_per_call))
+    slow = lambda: (calls.append(time.perf_counter()), time.sleep(0.002))  # noqa: E731  (the host's 2 ms, the GPU's 2)
+    gpu_ms, _ = timer(slow, calls=4, host_ms_guess=10.0)
+    assert all(x != x for x in (timer.last.clock_mhz, timer.last.watts, timer.last.mj_per_call))
+    assert timer.last.enqueue_us >= 2000 and timer.last.host_bound(gpu_ms)
     with pytest.raises(ValueError, match="seconds > 0"):
         timing.SustainedTimer(0.0)
 
@@ -608,7 +611,7 @@ def test_sustained_rows_carry_power_into_the_table_and_results(on_cpu, no_fa4, t
     class Sustained(FakeTimer):
         def __call__(self, fn, calls, host_ms_guess):
             out = super().__call__(fn, calls, host_ms_guess)
-            self.last = timing.Power(1400.0 + 10 * len(self.batches), 650.0, 1.5)
+            self.last = timing.Power(1400.0 + 10 * len(self.batches), 650.0, 1.5, 100.0)
             return out
 
     case = kernels.Case("tiny", 2, 16, 4, 2, 16, True)
@@ -617,8 +620,8 @@ def test_sustained_rows_carry_power_into_the_table_and_results(on_cpu, no_fa4, t
     assert (ours.clock_mhz, ours.watts, ours.mj_per_call) == (1440.0, 650.0, 1.5)
     table = kernels.power_table(rows)
     assert "1440 MHz, 650 W, 1.5 mJ" in table and table.splitlines()[1].split()[1:] == ["hf_flash", "sdpa-math"]
-    assert "host-bound" not in table  # FakeTimer: 10 µs of host against >= 2 ms of GPU a call
-    rows[1].host_us = rows[1].gpu_ms * 1e3
+    assert "host-bound" not in table  # 100 µs of enqueueing against >= 2 ms of GPU a call
+    rows[1].enqueue_us = rows[1].gpu_ms * 1e3 * timing.HOST_BOUND
     assert kernels.power_table(rows).count("host-bound") == 1
     plain = kernels.measure_case(case, "fwd", ["hf_flash"], 1, FakeTimer(), torch.float32, {})[0]
     assert all(x != x for x in (plain.clock_mhz, plain.watts, plain.mj_per_call))
@@ -629,7 +632,8 @@ def test_sustained_rows_carry_power_into_the_table_and_results(on_cpu, no_fa4, t
     with open(path) as f:
         lines = list(csv.DictReader(f))
     sustained = [r for r in lines if r["bench"] == "kernels sustained 4 s"]
-    assert {r["metric"] for r in sustained} == {"tflops", "gpu_us", "host_us", "clock_mhz", "watts", "mj_per_call"}
+    assert {r["metric"] for r in sustained} == {"tflops", "gpu_us", "host_us", "clock_mhz", "watts", "mj_per_call",
+                                                "enqueue_us"}
     assert {r["metric"] for r in lines if r["bench"] == "kernels"} == {"tflops", "gpu_us", "host_us"}
     assert results.COLUMNS == tuple(lines[0])
 

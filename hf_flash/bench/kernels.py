@@ -151,10 +151,12 @@ class Row:
     tflops_max: float
     calls: int
     rounds: int
-    # sustained timing only (medians over rounds; NaN otherwise): SM clock, board power, energy per call
+    # sustained timing only (medians over rounds; NaN otherwise): SM clock, board power, energy per call, the
+    # host's enqueueing per call meanwhile
     clock_mhz: float = math.nan
     watts: float = math.nan
     mj_per_call: float = math.nan
+    enqueue_us: float = math.nan
 
 
 def _size(s: int) -> str:
@@ -394,16 +396,16 @@ def host_table(rows: list[Row]) -> str:
 
 def power_table(rows: list[Row]) -> str:
     """Sustained runs: TFLOP/s at the mean SM clock, board power and energy per call, per backend; "host-bound"
-    where the host takes longer per call than the GPU (the GPU then waits for it between calls, and its time per
-    call is the host's)."""
+    where the host's enqueueing took at least timing.HOST_BOUND of the GPU's time per call (the GPU then waits for
+    the host at its jitter, and the time is partly the host's: such a cell ranks nothing)."""
     names = list(dict.fromkeys(r.backend for r in rows))
     by = {(r.mode, r.case, r.backend): r for r in rows}
     lines = []
     for mode, case in dict.fromkeys((r.mode, r.case) for r in rows):
         cells = [by.get((mode, case, b)) for b in names]
         lines.append([f"{mode} {case}", *(f"{c.tflops:.0f} @ {c.clock_mhz:.0f} MHz, {c.watts:.0f} W, "
-                                          f"{c.mj_per_call:.3g} mJ" + (" host-bound" if c.host_us >= c.gpu_ms * 1e3
-                                                                       else "") if c else "-" for c in cells)])
+                                          f"{c.mj_per_call:.3g} mJ" + (" host-bound" if Power(enqueue_us=c.enqueue_us)
+                                                                       .host_bound(c.gpu_ms) else "") if c else "-" for c in cells)])
     return "sustained: TFLOP/s @ SM clock, board power, energy per call\n" + _table(["case", *names], lines)
 
 
@@ -460,7 +462,8 @@ def record(args, rows: list[Row]) -> None:
                 results.Result(case, r.backend, "host_us", r.host_us, "us", r.host_us_max - r.host_us_min),
                 results.Result(case, r.backend, "clock_mhz", r.clock_mhz, "MHz"),
                 results.Result(case, r.backend, "watts", r.watts, "W"),
-                results.Result(case, r.backend, "mj_per_call", r.mj_per_call, "mJ")]  # NaN ones are not written
+                results.Result(case, r.backend, "mj_per_call", r.mj_per_call, "mJ"),
+                results.Result(case, r.backend, "enqueue_us", r.enqueue_us, "us")]  # NaN ones are not written
     results.record(args, bench_name(args), out)
 
 

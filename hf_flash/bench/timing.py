@@ -119,11 +119,19 @@ class CallTimer:
 
 @dataclass(frozen=True)
 class Power:
-    """What a sustained measurement saw: mean SM clock (MHz), board power (W) and energy per call (mJ); NaN
-    where NVML could not be read."""
+    """What a sustained measurement saw: mean SM clock (MHz), board power (W) and energy per call (mJ), NaN
+    where NVML could not be read; and the host's µs per call meanwhile (enqueueing only: near the GPU's time per
+    call the GPU waits for the host, and its time is the host's)."""
     clock_mhz: float = math.nan
     watts: float = math.nan
     mj_per_call: float = math.nan
+    enqueue_us: float = math.nan
+
+    def host_bound(self, gpu_ms: float) -> bool:
+        return self.enqueue_us >= HOST_BOUND * gpu_ms * 1e3
+
+
+HOST_BOUND = 0.75  # enqueueing that takes this share of the GPU's time leaves the GPU waiting at the host's jitter
 
 
 class SustainedTimer(CallTimer):
@@ -151,11 +159,15 @@ class SustainedTimer(CallTimer):
     def _sustain(self, fn: Callable, calls: int) -> tuple[float, Power]:
         torch, meter, half = self.torch, self.meter, self.seconds / 2
 
+        enqueue = [0.0]
+
         def group():
+            t = time.perf_counter()
             for _ in range(calls):
                 fn()
             done = torch.cuda.Event()
             done.record()
+            enqueue[0] += time.perf_counter() - t
             return done
 
         before = group()
@@ -165,6 +177,7 @@ class SustainedTimer(CallTimer):
             queued.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()  # runs as the groups queued so far finish
+        enqueue[0] = 0.0
         energy0, wall0, clocks, n = meter.energy_mj() if meter else math.nan, time.perf_counter(), [], 0
         while True:
             before, queued = group(), before
@@ -177,8 +190,8 @@ class SustainedTimer(CallTimer):
         end.record()
         end.synchronize()
         wall = time.perf_counter() - wall0
-        gpu_ms = start.elapsed_time(end) / n
+        gpu_ms, enqueue_us = start.elapsed_time(end) / n, enqueue[0] * 1e6 / n
         if not meter:
-            return gpu_ms, Power()
+            return gpu_ms, Power(enqueue_us=enqueue_us)
         watts = (meter.energy_mj() - energy0) * 1e-3 / wall  # a steady draw: the window's ends need not match the GPU's
-        return gpu_ms, Power(statistics.fmean(clocks), watts, watts * gpu_ms)
+        return gpu_ms, Power(statistics.fmean(clocks), watts, watts * gpu_ms, enqueue_us)
