@@ -592,13 +592,14 @@ def test_sustained_timer_times_the_second_half_and_reads_power(monkeypatch):
     assert gpu_ms == 2.0 and 1000 <= host_us < 20_000
     assert timer.last.clock_mhz == 1500.0 and timer.last.watts == pytest.approx(500.0, rel=0.05)
     assert timer.last.mj_per_call == pytest.approx(timer.last.watts * 2.0)
-    assert 1000 <= timer.last.enqueue_us < 1500 and not timer.last.host_bound(gpu_ms)  # ~1 ms a call against 2
+    # ~1 ms of enqueueing a call against 2 ms of GPU: not host-bound
+    assert 1000 <= timer.last.enqueue_us < 1500 and not timing.host_bound(timer.last.enqueue_us, gpu_ms)
     assert calls[-1] - calls[0] >= 0.2 and len(calls) % 4 == 0  # whole groups for the whole time
     timer.meter = None
     slow = lambda: (calls.append(time.perf_counter()), time.sleep(0.002))  # noqa: E731  (the host's 2 ms, the GPU's 2)
     gpu_ms, _ = timer(slow, calls=4, host_ms_guess=10.0)
     assert all(x != x for x in (timer.last.clock_mhz, timer.last.watts, timer.last.mj_per_call))
-    assert timer.last.enqueue_us >= 2000 and timer.last.host_bound(gpu_ms)
+    assert timer.last.enqueue_us >= 2000 and timing.host_bound(timer.last.enqueue_us, gpu_ms)
     with pytest.raises(ValueError, match="seconds > 0"):
         timing.SustainedTimer(0.0)
 

@@ -42,7 +42,8 @@ import torch
 
 from . import backends as B
 from . import power, results
-from .timing import CallTimer, Power, SustainedTimer, median_spread, relative_spread, short_error, take_turns
+from .timing import (CallTimer, Power, SustainedTimer, host_bound, median_spread, relative_spread, short_error,
+                     take_turns)
 
 TOKENS, HIDDEN = 16384, 2048
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -398,14 +399,16 @@ def power_table(rows: list[Row]) -> str:
     """Sustained runs: TFLOP/s at the mean SM clock, board power and energy per call, per backend; "host-bound"
     where the host's enqueueing took at least timing.HOST_BOUND of the GPU's time per call (the GPU then waits for
     the host at its jitter, and the time is partly the host's: such a cell ranks nothing)."""
+    def cell(c: Row | None) -> str:
+        if c is None:
+            return "-"
+        bound = " host-bound" if host_bound(c.enqueue_us, c.gpu_ms) else ""
+        return f"{c.tflops:.0f} @ {c.clock_mhz:.0f} MHz, {c.watts:.0f} W, {c.mj_per_call:.3g} mJ{bound}"
+
     names = list(dict.fromkeys(r.backend for r in rows))
     by = {(r.mode, r.case, r.backend): r for r in rows}
-    lines = []
-    for mode, case in dict.fromkeys((r.mode, r.case) for r in rows):
-        cells = [by.get((mode, case, b)) for b in names]
-        lines.append([f"{mode} {case}", *(f"{c.tflops:.0f} @ {c.clock_mhz:.0f} MHz, {c.watts:.0f} W, "
-                                          f"{c.mj_per_call:.3g} mJ" + (" host-bound" if Power(enqueue_us=c.enqueue_us)
-                                                                       .host_bound(c.gpu_ms) else "") if c else "-" for c in cells)])
+    lines = [[f"{mode} {case}", *(cell(by.get((mode, case, b))) for b in names)]
+             for mode, case in dict.fromkeys((r.mode, r.case) for r in rows)]
     return "sustained: TFLOP/s @ SM clock, board power, energy per call\n" + _table(["case", *names], lines)
 
 

@@ -127,11 +127,14 @@ class Power:
     mj_per_call: float = math.nan
     enqueue_us: float = math.nan
 
-    def host_bound(self, gpu_ms: float) -> bool:
-        return self.enqueue_us >= HOST_BOUND * gpu_ms * 1e3
+
+def host_bound(enqueue_us: float, gpu_ms: float) -> bool:
+    """Whether enqueueing a call took so much of the GPU's time for it (HOST_BOUND) that the GPU waited for the host
+    at the host's jitter: the time is then partly the host's, and the cell ranks nothing."""
+    return enqueue_us >= HOST_BOUND * gpu_ms * 1e3
 
 
-HOST_BOUND = 0.75  # enqueueing that takes this share of the GPU's time leaves the GPU waiting at the host's jitter
+HOST_BOUND = 0.75
 
 
 class SustainedTimer(CallTimer):
