@@ -128,13 +128,13 @@ class Power:
     enqueue_us: float = math.nan
 
 
+HOST_BOUND = 0.75
+
+
 def host_bound(enqueue_us: float, gpu_ms: float) -> bool:
     """Whether enqueueing a call took so much of the GPU's time for it (HOST_BOUND) that the GPU waited for the host
     at the host's jitter: the time is then partly the host's, and the cell ranks nothing."""
     return enqueue_us >= HOST_BOUND * gpu_ms * 1e3
-
-
-HOST_BOUND = 0.75
 
 
 class SustainedTimer(CallTimer):
@@ -161,16 +161,16 @@ class SustainedTimer(CallTimer):
 
     def _sustain(self, fn: Callable, calls: int) -> tuple[float, Power]:
         torch, meter, half = self.torch, self.meter, self.seconds / 2
-
-        enqueue = [0.0]
+        enqueue_s = 0.0  # the host's time spent queueing the timed groups
 
         def group():
+            nonlocal enqueue_s
             t = time.perf_counter()
             for _ in range(calls):
                 fn()
             done = torch.cuda.Event()
             done.record()
-            enqueue[0] += time.perf_counter() - t
+            enqueue_s += time.perf_counter() - t
             return done
 
         before = group()
@@ -180,7 +180,7 @@ class SustainedTimer(CallTimer):
             queued.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()  # runs as the groups queued so far finish
-        enqueue[0] = 0.0
+        enqueue_s = 0.0
         energy0, wall0, clocks, n = meter.energy_mj() if meter else math.nan, time.perf_counter(), [], 0
         while True:
             before, queued = group(), before
@@ -193,7 +193,7 @@ class SustainedTimer(CallTimer):
         end.record()
         end.synchronize()
         wall = time.perf_counter() - wall0
-        gpu_ms, enqueue_us = start.elapsed_time(end) / n, enqueue[0] * 1e6 / n
+        gpu_ms, enqueue_us = start.elapsed_time(end) / n, enqueue_s * 1e6 / n
         if not meter:
             return gpu_ms, Power(enqueue_us=enqueue_us)
         watts = (meter.energy_mj() - energy0) * 1e-3 / wall  # a steady draw: the window's ends need not match the GPU's
