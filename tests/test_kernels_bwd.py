@@ -118,6 +118,39 @@ def test_grads_varlen(d, causal, hk):
     _check(ours, ref, [torch.cat(g) for g in same])
 
 
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
+def test_grads_varlen_empty_sequences_and_block_edges(d, causal):
+    """Sequences of 0, 1, 63, 64, 65, 127, 128, 129 and 300 query rows (the Hopper kernel's query blocks are 64 rows
+    at d128 and 128 at d64, and its dQ accumulator starts each sequence on a block of its own), one with keys and no
+    queries: every row's gradients against the float32 reference, the empty sequences' keys with zero dK / dV."""
+    h, hk, dtype = 4, 2, torch.bfloat16
+    lens_q = [0, 1, 63, 64, 65, 0, 127, 128, 129, 300]
+    lens_k = [n + 17 if n else 5 for n in lens_q]
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    q, k, v = _inputs((sum(lens_q), h, d), (sum(lens_k), hk, d), dtype)
+    dout = torch.randn_like(q)
+    opts = (d**-0.5, causal, -1, -1, 0.0, None, 0.0, None)
+    f32 = [t.float() for t in (q, k, v)]
+    mq, mk = max(lens_q), max(lens_k)
+    out32, lse = reference.fwd(*f32, cu_q, cu_k, mq, mk, *opts)
+    ref = reference.bwd(dout.float(), *f32, out32, lse, cu_q, cu_k, mq, mk, *opts)
+    ours = torch.ops.hf_flash.bwd(dout, q, k, v, out32.to(dtype), lse, cu_q, cu_k, mq, mk, *opts, False)[:3]
+    same = [[], [], []]
+    for i in range(len(lens_q)):
+        sl_q, sl_k = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        if lens_q[i] == 0:  # no query sees these keys
+            same[1].append(torch.zeros_like(k[sl_k]))
+            same[2].append(torch.zeros_like(v[sl_k]))
+            continue
+        grads = _torch_grads(q[None, sl_q], k[None, sl_k], v[None, sl_k], dout[None, sl_q], causal=causal)
+        for acc, g in zip(same, grads):
+            acc.append(g[0])
+    _check(ours, ref, [torch.cat(g) for g in same])
+    for i in (0, 5):
+        assert not ours[1][int(cu_k[i]):int(cu_k[i + 1])].any() and not ours[2][int(cu_k[i]):int(cu_k[i + 1])].any()
+
+
 def _bwd_args(b=2, s=2048, h=16, hk=8, d=128, causal=True):
     q, k, v = _inputs((b, s, h, d), (b, s, hk, d), torch.bfloat16)
     dout = torch.randn_like(q)

@@ -307,6 +307,48 @@ __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p,
   *reinterpret_cast<uint4*>(dq) = out;
 }
 
+// dq from the Hopper kernel's blocks of block_m rows (bwd_config.h). A block holds two 64 x 64 pieces (d128:
+// column halves; d64: row halves), each 128 threads' 16-byte chunks, chunk j of thread i at 128 j + i; thread
+// i = 32 w + 4 g + t held rows 16 w + g (+ 8) and columns 8 j + 2 t (+ 1) of its piece (the wgmma accumulator's
+// layout, sm90/wgmma.cuh). So threads 32 w + 4 g .. + 3's chunks j are 64 contiguous bytes holding columns
+// 8 j .. 8 j + 7 of two rows: one thread here reads them and writes both rows.
+template <bool kIsBf16>
+__global__ void __launch_bounds__(kThreads) convert_dq_blocks_kernel(const BwdParams p, const float* __restrict__ acc,
+                                                                     int block_m, int64_t blocks) {
+  tile::grid_dependency_wait();  // launched as the Hopper backward's dependent: its additions are done
+  const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // (block, head, piece, w, j, g), g fastest
+  if (idx >= blocks * p.h * 512) return;
+  const int g = int(idx % 8), j = int(idx / 8 % 8), w = int(idx / 64 % 4), piece = int(idx / 256 % 2);
+  const int head = int(idx / 512 % p.h);
+  const int64_t block = idx / 512 / p.h;
+  int b = p.cu_seqlens_q ? 0 : int(block / ((p.seqlen_q + block_m - 1) / block_m));
+  for (int hi = p.cu_seqlens_q ? p.b - 1 : 0; b < hi;) {  // varlen: the last sequence whose first block <= block
+    const int mid = (b + hi + 1) / 2;
+    if (dq_block0(p, mid, seq_rows(p.cu_seqlens_q, mid, p.total_q, p.seqlen_q).x, block_m) <= block) b = mid;
+    else hi = mid - 1;
+  }
+  const int2 rows = seq_rows(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
+  const int r = int(block - dq_block0(p, b, rows.x, block_m)) * block_m + (block_m == 64 ? 0 : 64 * piece) + 16 * w + g;
+  const int c = (block_m == 64 ? 64 * piece : 0) + 8 * j;
+  const float4* src =
+      reinterpret_cast<const float4*>(acc + (block * p.h + head) * kDqBlockFloats + 4096 * piece) + 128 * j + 32 * w + 4 * g;
+  float4 v[4];
+#pragma unroll
+  for (int t = 0; t < 4; ++t) v[t] = src[t];
+  auto* dq = static_cast<typename tile::Elem<kIsBf16>::T*>(p.dq) + c + int64_t(head) * p.dq_head_stride +
+             (p.cu_seqlens_q ? int64_t(rows.x) * p.dq_row_stride : int64_t(b) * p.dq_batch_stride);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (r + 8 * half >= rows.y) return;
+    uint4 out;
+    out.x = tile::pack2<kIsBf16>(half ? v[0].z : v[0].x, half ? v[0].w : v[0].y);
+    out.y = tile::pack2<kIsBf16>(half ? v[1].z : v[1].x, half ? v[1].w : v[1].y);
+    out.z = tile::pack2<kIsBf16>(half ? v[2].z : v[2].x, half ? v[2].w : v[2].y);
+    out.w = tile::pack2<kIsBf16>(half ? v[3].z : v[3].x, half ? v[3].w : v[3].y);
+    *reinterpret_cast<uint4*>(dq + int64_t(r + 8 * half) * p.dq_row_stride) = out;
+  }
+}
+
 // The backward around either main kernel, one stream and no host synchronisation:
 //   bwd_prologue  zeroes the fp32 dQ accumulators and d rel_bias, writes the padded bias table (RelBias::fill),
 //                 D = rowsum(dO * O) into the workspace and d sinks;
@@ -348,7 +390,16 @@ cudaError_t bwd_prologue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_
 
 // dependent: launched as the main kernel's programmatic dependent (the Hopper backward).
 template <bool kIsBf16, int kHeadDim>
-cudaError_t bwd_epilogue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream, bool dependent = false) {
+// dq_block_m: the accumulator is the Hopper kernel's blocks of that many rows (bwd_config.h), else rows.
+cudaError_t bwd_epilogue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_t stream, bool dependent = false,
+                         int dq_block_m = 0) {
+  if constexpr (sm90_dq_blocked(kHeadDim)) {
+    if (dq_block_m) {
+      const int64_t blocks = dq_blocks(p, dq_block_m), threads = blocks * p.h * 512;
+      return launch_kernel(&convert_dq_blocks_kernel<kIsBf16>, int((threads + kThreads - 1) / kThreads), kThreads,
+                           0, stream, dependent, p, ws.dq_acc, dq_block_m, blocks);
+    }
+  }
   const int64_t chunks = int64_t(p.total_q) * p.h * (kHeadDim / 8);
   return launch_kernel(&convert_dq_kernel<kIsBf16, kHeadDim>, int((chunks + kThreads - 1) / kThreads), kThreads, 0,
                        stream, dependent, p, ws.dq_acc, ws.dq_copy_floats, ws.copies);

@@ -17,6 +17,25 @@ constexpr int kMaxDqCopies = 8;
 // Query rows per block of the Hopper backward, its smallest (d64 takes 128): the deterministic mode's dQ-order
 // counters are allocated per (batch, query head, block of these rows), enough for every kernel.
 constexpr int kSm90BlockM = 64;
+// The Hopper backward's query rows a block: 128 at d64 (one pass over both warpgroups' keys), else kSm90BlockM.
+__host__ __device__ constexpr int sm90_block_m(int d) { return d == 64 ? 128 : kSm90BlockM; }
+// At d64 / d128 it adds dQ in its consumers' own register order, as FlashAttention-3 / 4 do: the accumulator is a
+// series of blocks of kDqBlockFloats (a query block's rows x d), one per (query block, head), each the two
+// consumer warpgroups' 64 x 64 pieces as thread-linear 16-byte chunks (bwd_sm90/kernel.cuh: store_dq; no bank
+// swap, no swizzle), added with one bulk reduction a block; the convert kernel reads rows back out of that order.
+// Other head dims and the mma.sync kernels keep (copy, total_q, h, d) rows.
+__host__ __device__ constexpr bool sm90_dq_blocked(int d) { return d == 64 || d == 128; }
+constexpr int kDqBlockFloats = 128 * 64;
+// Sequence b's first dQ block (`start`: its first row, as seq_rows gives it): dense b ceil(seqlen_q / M); varlen
+// (start + b M) / M, which leaves every sequence ceil(length / M) blocks before the next one's first.
+__host__ __device__ inline int64_t dq_block0(const BwdParams& p, int b, int start, int block_m) {
+  return p.cu_seqlens_q ? (int64_t(start) + int64_t(b) * block_m) / block_m
+                        : int64_t(b) * ((p.seqlen_q + block_m - 1) / block_m);
+}
+inline int64_t dq_blocks(const BwdParams& p, int block_m) {
+  return p.cu_seqlens_q ? (int64_t(p.total_q) + int64_t(p.b) * block_m) / block_m + 1
+                        : int64_t(p.b) * ((p.seqlen_q + block_m - 1) / block_m);
+}
 
 // Key blocks of `block` keys (the mma.sync kernels': block_n(p.d); the Hopper kernel passes its own).
 inline int num_n_blocks(const BwdParams& p, int block) { return (p.seqlen_k + block - 1) / block; }
@@ -73,7 +92,10 @@ struct WorkspaceLayout {
     auto align = [](size_t x) { return (x + 255) / 256 * 256; };
     dsum_offset = 0;
     dq_offset = align(sizeof(float) * size_t(p.h) * p.total_q);
-    dq_copy_floats = size_t(p.total_q) * p.h * p.d;
+    dq_copy_floats = size_t(p.total_q) * p.h * p.d;  // rows, or the Hopper kernel's blocks (either may run)
+    if (sm90_dq_blocked(p.d)) {
+      dq_copy_floats = std::max(dq_copy_floats, size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h * kDqBlockFloats);
+    }
     counters_offset = dq_offset + align(sizeof(float) * dq_copy_floats * dq_copies(p));
     counters = p.deterministic ? size_t(p.b) * p.h * ((p.seqlen_q + kSm90BlockM - 1) / kSm90BlockM) : 0;
     bytes = counters_offset + align(sizeof(int) * counters);

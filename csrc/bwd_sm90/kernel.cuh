@@ -61,7 +61,9 @@ struct BwdSm90Traits {
   static constexpr bool kDSplit = bwd_sm90_splits_d(kHeadDim);
   static constexpr int kD = kCluster ? kHeadDim / 2 : kHeadDim;  // columns this CTA loads and owns
   static constexpr int kColumns = kHeadDim;                      // of the tensors
-  static constexpr int kBlockN = kDSplit ? 64 : 128, kBlockM = kHeadDim == 64 ? 128 : 64;
+  static constexpr int kBlockN = kDSplit ? 64 : 128, kBlockM = bwd::sm90_block_m(kHeadDim);
+  static constexpr bool kDqBlocked = bwd::sm90_dq_blocked(kHeadDim);  // dQ in register order (bwd_config.h)
+  static_assert(!kDqBlocked || kBlockM * kD == bwd::kDqBlockFloats, "a dQ block is one query block");
   static constexpr int kDv = kDSplit ? kD / 2 : kD;  // columns of dK / dV a warpgroup holds
   static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
   static constexpr int kRelJ = kBlockM / 8;  // a consumer warp's tile: 16 keys x kBlockM queries
@@ -127,7 +129,7 @@ struct TmaMaps {
 template <bool kIsBf16, int kHeadDim, Scores kScores>
 __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Scores::kRelBias>::kThreads, 1)
     bwd_sm90_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
-                const float* __restrict__ dsum, int* __restrict__ dq_order, int group) {
+                const float* __restrict__ dsum, int* __restrict__ dq_order, int group, float* __restrict__ dq_acc) {
 #ifdef HF_SM90_ENABLED
   constexpr bool kRelBias = kScores == Scores::kRelBias, kSoftcap = kScores == Scores::kSoftcap;
   static_assert(kScores != Scores::kPlainOrRelBias, "one walk a backward kernel");
@@ -231,10 +233,15 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
           for (int w = 0; w < Tr::kDqOwners; ++w) {
             const int fill = it * Tr::kDqFills + k, slot = w * Tr::kWgSlots + fill % Tr::kWgSlots;
             sm90::mbar_wait(dq_full(slot), (fill / Tr::kWgSlots) & 1);
-            const int col0 = col_base + (Tr::kDSplit ? Tr::kDv * w + Tr::kDqSlotCols * k : 0);
-            for (int panel = 0; panel < Tr::kDqSlotCols / 32; ++panel) {
-              sm90::tma_reduce_add_4d(&maps.dq_acc, sDq + slot * Tr::kDqSlotBytes + panel * kBlockM * 128,
-                                      col0 + panel * 32, head, row0 + m * kBlockM, tma_b);
+            if constexpr (Tr::kDqBlocked) {  // the whole block, in the consumers' order, with one bulk reduction
+              float* dst = dq_acc + ((bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head) * bwd::kDqBlockFloats;
+              sm90::bulk_reduce_add_f32(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
+            } else {
+              const int col0 = col_base + (Tr::kDSplit ? Tr::kDv * w + Tr::kDqSlotCols * k : 0);
+              for (int panel = 0; panel < Tr::kDqSlotCols / 32; ++panel) {
+                sm90::tma_reduce_add_4d(&maps.dq_acc, sDq + slot * Tr::kDqSlotBytes + panel * kBlockM * 128,
+                                        col0 + panel * 32, head, row0 + m * kBlockM, tma_b);
+              }
             }
             sm90::bulk_commit();
             if constexpr (Tr::kWgSlots > 1) {  // the slot before is free once all but this reduction have read
@@ -657,6 +664,17 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     auto store_dq = [&](int f, int j0) {
       const int slot = dq_owner * Tr::kWgSlots + f % Tr::kWgSlots;
       if (f >= Tr::kWgSlots) sm90::mbar_wait(dq_empty(slot), (f / Tr::kWgSlots - 1) & 1);
+      if constexpr (Tr::kDqBlocked) {  // this warpgroup's half: its thread i's chunk j at (128 j + i) x 16 bytes
+        const uint32_t piece = sDq + slot * Tr::kDqSlotBytes + wg * (Tr::kDqSlotBytes / 2) + (threadIdx.x % 128) * 16;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          tile::st_shared_v4(piece + j * 128 * 16, make_uint4(__float_as_uint(dq[j][0]), __float_as_uint(dq[j][1]),
+                                                              __float_as_uint(dq[j][2]), __float_as_uint(dq[j][3])));
+        }
+        sm90::fence_proxy_async();
+        sm90::mbar_arrive(dq_full(slot));
+        return;
+      }
       const uint32_t x0 = dq_x + slot * Tr::kDqSlotBytes;  // slots are 1024-byte multiples: dq_x's XOR holds
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {

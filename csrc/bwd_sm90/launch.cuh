@@ -60,9 +60,10 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   // A dependent of the prologue's last kernel and the convert kernel's primary: 2-4 launch gaps a call hidden.
   // d512: a cluster of two CTAs a tile (kernel.cuh).
   err = launch_kernel(kernel, Tr::kCtasPerTile * n_blocks * pairs, Tr::kThreads, smem, stream,
-                      LaunchAttrs(/*dependent=*/true, Tr::kCtasPerTile), pk, maps, ws.dsum, ws.counters, group);
+                      LaunchAttrs(/*dependent=*/true, Tr::kCtasPerTile), pk, maps, ws.dsum, ws.counters, group,
+                      ws.dq_acc);
   if (err != cudaSuccess) return err;
-  return bwd::bwd_epilogue<kIsBf16, kHeadDim>(p, ws, stream, /*dependent=*/true);
+  return bwd::bwd_epilogue<kIsBf16, kHeadDim>(p, ws, stream, /*dependent=*/true, Tr::kDqBlocked ? kBlockM : 0);
 }
 }  // namespace bwd_sm90
 

@@ -98,6 +98,13 @@ __device__ __forceinline__ void tma_reduce_add_4d(const CUtensorMap* map, uint32
 }
 
 // ---- bulk groups -----------------------------------------------------------------------------
+// Adds `bytes` (a multiple of 16) of fp32 from shared memory into global memory element by element, as one bulk
+// copy in this thread's bulk group (bulk_commit / bulk_wait*).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, uint32_t smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
+               "r"(smem), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // At most kPending of this thread's bulk groups still read shared memory (the source may be reused).
 template <int kPending>
