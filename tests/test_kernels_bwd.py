@@ -94,38 +94,10 @@ def test_grads_dropout(d, causal):
     _check(*_dense_case(2, 177, 211, 4, 2, d, torch.bfloat16, causal, (-1, -1), 0.0, False, dropout_p=0.17))
 
 
-@pytest.mark.parametrize("d,causal,hk", [(64, False, 4), (128, True, 2), (96, True, 1), (256, True, 2), (512, True, 2)])
-def test_grads_varlen(d, causal, hk):
-    h, dtype = 4, torch.bfloat16
-    lens_q = torch.randint(1, 300, (5,)).tolist()
-    lens_k = [max(1, n + int(torch.randint(-40, 80, ()))) for n in lens_q]
-    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    cu_q, cu_k = cu(lens_q), cu(lens_k)
-    q, k, v = _inputs((sum(lens_q), h, d), (sum(lens_k), hk, d), dtype)
-    dout = torch.randn_like(q)
-    opts = (d**-0.5, causal, -1, -1, 0.0, None, 0.0, None)
-    f32 = [t.float() for t in (q, k, v)]
-    mq, mk = max(lens_q), max(lens_k)
-    out32, lse = reference.fwd(*f32, cu_q, cu_k, mq, mk, *opts)
-    ref = reference.bwd(dout.float(), *f32, out32, lse, cu_q, cu_k, mq, mk, *opts)
-    ours = torch.ops.hf_flash.bwd(dout, q, k, v, out32.to(dtype), lse, cu_q, cu_k, mq, mk, *opts, False)[:3]
-    same = [[], [], []]
-    for i in range(len(lens_q)):
-        sl_q, sl_k = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-        grads = _torch_grads(q[None, sl_q], k[None, sl_k], v[None, sl_k], dout[None, sl_q], causal=causal)
-        for acc, g in zip(same, grads):
-            acc.append(g[0])
-    _check(ours, ref, [torch.cat(g) for g in same])
-
-
-@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
-def test_grads_varlen_empty_sequences_and_block_edges(d, causal):
-    """Sequences of 0, 1, 63, 64, 65, 127, 128, 129 and 300 query rows (the Hopper kernel's query blocks are 64 rows
-    at d128 and 128 at d64, and its dQ accumulator starts each sequence on a block of its own), one with keys and no
-    queries: every row's gradients against the float32 reference, the empty sequences' keys with zero dK / dV."""
-    h, hk, dtype = 4, 2, torch.bfloat16
-    lens_q = [0, 1, 63, 64, 65, 0, 127, 128, 129, 300]
-    lens_k = [n + 17 if n else 5 for n in lens_q]
+def _check_varlen(lens_q, lens_k, d, h, hk, causal):
+    """The varlen backward of these sequences against the float32 reference and per-sequence torch gradients (a
+    sequence without queries: zero dK / dV for its keys); returns ours and cu_k."""
+    dtype = torch.bfloat16
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     cu_q, cu_k = cu(lens_q), cu(lens_k)
     q, k, v = _inputs((sum(lens_q), h, d), (sum(lens_k), hk, d), dtype)
@@ -147,6 +119,22 @@ def test_grads_varlen_empty_sequences_and_block_edges(d, causal):
         for acc, g in zip(same, grads):
             acc.append(g[0])
     _check(ours, ref, [torch.cat(g) for g in same])
+    return ours, cu_k
+
+
+@pytest.mark.parametrize("d,causal,hk", [(64, False, 4), (128, True, 2), (96, True, 1), (256, True, 2), (512, True, 2)])
+def test_grads_varlen(d, causal, hk):
+    lens_q = torch.randint(1, 300, (5,)).tolist()
+    _check_varlen(lens_q, [max(1, n + int(torch.randint(-40, 80, ()))) for n in lens_q], d, 4, hk, causal)
+
+
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
+def test_grads_varlen_empty_sequences_and_block_edges(d, causal):
+    """Sequences of 0, 1, 63, 64, 65, 127, 128, 129 and 300 query rows (the Hopper kernel's query blocks are 64 rows
+    at d128 and 128 at d64, and its dQ accumulator starts each sequence on a block of its own), two with keys and no
+    queries: every row's gradients against the float32 reference, the empty sequences' keys with zero dK / dV."""
+    lens_q = [0, 1, 63, 64, 65, 0, 127, 128, 129, 300]
+    ours, cu_k = _check_varlen(lens_q, [n + 17 if n else 5 for n in lens_q], d, 4, 2, causal)
     for i in (0, 5):
         assert not ours[1][int(cu_k[i]):int(cu_k[i + 1])].any() and not ours[2][int(cu_k[i]):int(cu_k[i + 1])].any()
 
