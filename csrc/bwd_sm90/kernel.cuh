@@ -97,7 +97,8 @@ struct BwdSm90Traits {
   // buffer free again (the bias at d64).
   enum NamedBarrier { kDStWritten = 1, kDStFree = 2 };
   // Shared memory from a 1024-aligned base: K, V, the Q and dO rings, kDStBuffers dS^T tiles (kBlockN keys x
-  // kBlockM), the dQ slots (kDqSlotCols / 32 panels of kBlockM rows x 32 fp32 each: the dq_acc map's boxes), the LSE
+  // kBlockM), the dQ slots (d64 / d128: the tile in the consumers' order; else kDqSlotCols / 32 panels of kBlockM
+  // rows x 32 fp32 each, the dq_acc map's boxes), the LSE
   // and D rings, then the mbarriers kv_full, full[kStages], empty[kStages], (dq_full, dq_empty)[kDqSlots], with one
   // dO stage do_full, do_empty, with the cluster x_full, x_empty, and the bias's floats. d512: the exchange buffer
   // after the dQ slots.
@@ -344,7 +345,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   const int col0 = kD == 64 ? 0 : kD / 2 * wg, row0_dq = kD == 64 ? 64 * wg : 0;
   const uint32_t k_dq = sK + (col0 / 64) * kBlockN * 128;
   const int dkv_col0 = kDSplit ? kDv * wg : 0;  // this warpgroup's columns of dK / dV (and of Q / dO they take)
-  // dQ tile stores: row r = row0_dq + 16 warp + g + 8 h2 (r % 8 = g), columns c = slot_col0 + 8 j + 2 t, + 1 in
+  // dQ tile stores (d256 / d512; d64 / d128 store in register order, store_dq): row r = row0_dq + 16 warp + g +
+  // 8 h2 (r % 8 = g), columns c = slot_col0 + 8 j + 2 t, + 1 in
   // panel c / 32 of its slot, 16-byte chunk (c % 32) / 4 = 2 (j % 4) + t / 2 stored at chunk ^ g: one XOR by
   // (j % 4) << 5 per j. A half-warp serves a 64-bit store: rows g and g ^ 1 would put column groups j on the same
   // banks, so odd rows store group j ^ 2 where even rows store j (bank-conflict-free; ncu counted 2-way conflicts
