@@ -1,7 +1,9 @@
 """Timings of the build on PYTHONPATH next to SDPA cuDNN (GQA through enable_gqa, as transformers calls it),
 backward (default) or forward, in one process; prints CSV lines TAG,case,backend,ms,tflops (tools/kernel_ab.sh
 compares builds; PASS=fwd there times the forward). AB_DET=1 also times the backward with deterministic=True
-(backend "det"); AB_CASES picks cases by name.
+(backend "det"); AB_CASES picks cases by name. AB_SUSTAIN=SECONDS times each call back to back for that long, the
+first half untimed, as `bench kernels --sustain` does (timing.SustainedTimer): at the clock the board's power
+limit leaves, as in training, instead of a burst at up to the boost clock.
 
     python tools/kernel_ab.py TAG [bwd|fwd]
 """
@@ -14,7 +16,8 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hf_flash import ops
-from hf_flash.bench.kernels import REL_BIAS_RADIUS
+from hf_flash.bench.kernels import MAX_CALLS, REL_BIAS_RADIUS, TARGET_MS
+from hf_flash.bench.timing import SustainedTimer
 
 loaded, detail = ops.extension_status()  # builds or loads the kernels (import alone does neither)
 if not loaded:
@@ -50,6 +53,18 @@ if os.environ.get("AB_CASES"):
     CASES = [c for c in CASES if any(x.strip() in c[0] for x in os.environ["AB_CASES"].split(","))]
 
 
+SUSTAIN = float(os.environ.get("AB_SUSTAIN") or 0)
+sustained = SustainedTimer(SUSTAIN) if SUSTAIN else None
+
+
+def time_ms(fn, inputs):
+    """GPU ms per call: the median of triton's burst timing, or sustained (AB_SUSTAIN)."""
+    if sustained is None:
+        return triton.testing.do_bench(fn, warmup=100, rep=300, grad_to_none=inputs, return_mode="median")
+    calls, host_guess = sustained.warm_up(fn, TARGET_MS, MAX_CALLS)
+    return sustained(fn, calls, host_guess)[0]
+
+
 def case(b, s, h, hk, d, causal, bias):
     """({backend: callable}, the inputs whose grads do_bench resets) for one case of the chosen pass."""
     q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -72,7 +87,9 @@ def case(b, s, h, hk, d, causal, bias):
     def bwd(det):
         return lambda: torch.ops.hf_flash.bwd(dout, q, k, v, out, lse, None, None, s, s, *opts, det, None, table)
 
-    fns = {"hf_flash": bwd(False), "cudnn": lambda: o.backward(dout.transpose(1, 2), retain_graph=True)}
+    # autograd.grad: new gradients each call, none accumulated into .grad (an extra pass do_bench resets away)
+    fns = {"hf_flash": bwd(False),
+           "cudnn": lambda: torch.autograd.grad(o, (q, k, v), dout.transpose(1, 2), retain_graph=True)}
     if os.environ.get("AB_DET") == "1":
         fns["det"] = bwd(True)
     return fns, [q, k, v]
@@ -82,7 +99,7 @@ for name, b, s, h, hk, d, causal in CASES:
     flops = (2.5 if mode == "bwd" else 1.0) * 4 * b * s * s * h * d / (2 if causal else 1)
     fns, inputs = case(b, s, h, hk, d, causal, name.endswith(" bias"))
     for backend, fn in fns.items():
-        ms = triton.testing.do_bench(fn, warmup=100, rep=300, grad_to_none=inputs, return_mode="median")
+        ms = time_ms(fn, inputs)
         print(f"{tag},{name},{backend},{ms:.4f},{flops / ms * 1e-9:.1f}", flush=True)
     del fns, inputs  # the case's tensors
     torch.cuda.empty_cache()
