@@ -89,8 +89,7 @@ for tag in builds:
             m = statistics.median(times)
             rows.append(results.Result(case, {"det": "hf_flash det"}.get(backend, backend), "ms", m, "ms",
                                        max(times) - min(times)))
-    sustain = os.environ.get("AB_SUSTAIN")  # its rows under their own bench, as bench kernels --sustain keeps them
-    bench = f"kernel_ab {os.environ['AB_PASS']}" + (f" sustained {float(sustain):g} s" if sustain else "")
+    bench = results.bench_label(f"kernel_ab {os.environ['AB_PASS']}", float(os.environ.get("AB_SUSTAIN") or 0))
     results.append(rows, bench, os.environ["AB_ROWS"], {**env, "commit": labels.get(tag, tag)})
 PY
 done

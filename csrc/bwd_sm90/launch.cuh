@@ -40,7 +40,8 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
     err = sm90::make_rows_map(&maps.v, p.v, elem, p.d, p.h_k, rows_k, batches, p.v_head_stride, p.v_row_stride,
                               p.v_batch_stride, kBlockN);
   }
-  if (err == cudaSuccess) {  // dq_acc: fp32 (rows, h, d), a dense batch seqlen_q of those rows
+  // dq_acc: fp32 (rows, h, d), a dense batch seqlen_q of those rows; d64 / d128 add whole blocks without it.
+  if (err == cudaSuccess && !Tr::kDqBlocked) {
     constexpr int kD = Tr::kColumns;
     err = sm90::make_rows_map(&maps.dq_acc, ws.dq_acc, sm90::TmaElem::kF32, kD, p.h, rows_q, batches, kD,
                               int64_t(p.h) * kD, int64_t(p.seqlen_q) * p.h * kD, kBlockM);

@@ -451,11 +451,6 @@ def feature_costs(rows: list[Row]) -> str:
     return "\n\n".join(tables)
 
 
-def bench_name(args) -> str:
-    """The results file's bench column: sustained runs apart from the default bursts."""
-    return f"kernels sustained {args.sustain:g} s" if args.sustain else "kernels"
-
-
 def record(args, rows: list[Row]) -> None:
     out = []
     for r in rows:
@@ -467,7 +462,7 @@ def record(args, rows: list[Row]) -> None:
                 results.Result(case, r.backend, "watts", r.watts, "W"),
                 results.Result(case, r.backend, "mj_per_call", r.mj_per_call, "mJ"),
                 results.Result(case, r.backend, "enqueue_us", r.enqueue_us, "us")]  # NaN ones are not written
-    results.record(args, bench_name(args), out)
+    results.record(args, results.bench_label("kernels", args.sustain), out)
 
 
 def run(args) -> None:

@@ -61,6 +61,12 @@ def _number(x: float | None) -> str:
     return "" if x is None or not math.isfinite(x) else f"{x:.6g}"
 
 
+def bench_label(bench: str, sustain: float | None = None) -> str:
+    """The bench column: sustained runs (timing.SustainedTimer, ``sustain`` seconds a turn) apart from the default
+    bursts, e.g. "kernels sustained 1.6 s"."""
+    return f"{bench} sustained {sustain:g} s" if sustain else bench
+
+
 def append(results: list[Result], bench: str, path: str = DEFAULT_PATH, env: dict | None = None) -> int:
     """Appends the finite-valued results as rows of ``path`` (created with the header if missing or empty);
     returns how many rows were written."""
