@@ -165,6 +165,16 @@ cudaError_t run_sm90_or_sm80(bool sm90, cudaError_t (*run_sm90)(const Params&, c
   return run_sm80(p, s);
 }
 
+// Packed (varlen) batches counted in blocks of M rows: sequence b, whose rows start at `start` (seq_rows),
+// owns blocks packed_block0(start, b, M) .. + ceil(length / M) - 1, before the next sequence's first (at most one
+// block between them unused). Grids and workspaces over packed_blocks() blocks cover every sequence without
+// giving each the longest one's count.
+__host__ __device__ inline int64_t packed_block0(int start, int b, int block_m) {
+  return (int64_t(start) + int64_t(b) * block_m) / block_m;
+}
+__host__ __device__ inline int64_t packed_blocks(int total, int batch, int block_m) {
+  return packed_block0(total, batch, block_m);
+}
 #ifdef __CUDACC__
 // Rows of sequence `batch` as (first row, count): [cu[batch], cu[batch + 1]) clamped to the tensor's `total`
 // rows (empty when the offsets decrease), or (0, dense_len) when dense. Branch-free min/max: a bad offset
@@ -173,6 +183,18 @@ __device__ __forceinline__ int2 seq_rows(const int* cu, int batch, int total, in
   if (!cu) return make_int2(0, dense_len);
   const int start = min(max(cu[batch], 0), total);
   return make_int2(start, min(max(cu[batch + 1], start), total) - start);
+}
+
+// The sequence that owns packed block `block` (the last whose first block is at most `block`): a binary search
+// over the offsets. The caller checks the block against that sequence's rows (a gap or past its end: no rows).
+__device__ __forceinline__ int packed_block_seq(const int* cu, int batch, int total, int64_t block, int block_m) {
+  int b = 0;
+  for (int hi = batch - 1; b < hi;) {
+    const int mid = (b + hi + 1) / 2;
+    if (packed_block0(seq_rows(cu, mid, total, 0).x, mid, block_m) <= block) b = mid;
+    else hi = mid - 1;
+  }
+  return b;
 }
 
 // The visibility rule (causal, sliding window, seqlen_q != seqlen_k; rows and keys counted within their

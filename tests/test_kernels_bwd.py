@@ -128,6 +128,14 @@ def test_grads_varlen(d, causal, hk):
     _check_varlen(lens_q, [max(1, n + int(torch.randint(-40, 80, ()))) for n in lens_q], d, 4, hk, causal)
 
 
+@pytest.mark.parametrize("d,causal", [(64, True), (128, False)])
+def test_grads_varlen_many_sequences(d, causal):
+    """45 sequences of 0-199 rows: the Hopper backward numbers packed key blocks and dQ blocks, finding each one's
+    sequence by a binary search over the offsets (flash.h: packed_block_seq), six steps deep here."""
+    lens_q = torch.randint(0, 200, (45,)).tolist()
+    _check_varlen(lens_q, [n + int(torch.randint(0, 40, ())) for n in lens_q], d, 4, 2, causal)
+
+
 @pytest.mark.parametrize("d,causal", [(64, False), (128, True)])
 def test_grads_varlen_empty_sequences_and_block_edges(d, causal):
     """Sequences of 0, 1, 63, 64, 65, 127, 128, 129 and 300 query rows (the Hopper kernel's query blocks are 64 rows

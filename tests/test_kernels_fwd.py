@@ -100,10 +100,24 @@ def test_64bit_offsets():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("same_lengths", [False, True])
 def test_varlen(dtype, d, causal, same_lengths):
-    h, h_k = 4, 2
     gen = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
     lens_q = [0, 1, 17, 300, 128] + torch.randint(1, 400, (3,), generator=gen).tolist()
     lens_k = list(lens_q) if same_lengths else [5, 0, 33, 129, 700] + torch.randint(0, 400, (3,), generator=gen).tolist()
+    _check_varlen(lens_q, lens_k, dtype, d, causal)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_many_sequences(d, causal):
+    """45 sequences of 0-299 rows: the Hopper kernels number packed blocks and find each block's sequence by a
+    binary search over the offsets (flash.h: packed_block_seq), six steps deep here."""
+    lens = torch.randint(0, 300, (45,)).tolist()
+    _check_varlen(lens, [n + int(torch.randint(0, 50, ())) for n in lens], torch.bfloat16, d, causal)
+
+
+def _check_varlen(lens_q, lens_k, dtype, d, causal, h=4, h_k=2):
+    """Each sequence's rows of the varlen forward against the float32 reference (empty key sets: zero rows, LSE
+    +inf), and the LSE of every row."""
     cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
     q = randn(sum(lens_q), h, d, dtype=dtype)
     k, v = randn(sum(lens_k), h_k, d, dtype=dtype), randn(sum(lens_k), h_k, d, dtype=dtype)

@@ -16,7 +16,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hf_flash import ops
-from hf_flash.bench.kernels import MAX_CALLS, REL_BIAS_RADIUS, TARGET_MS
+from hf_flash.bench.kernels import MAX_CALLS, REL_BIAS_RADIUS, TARGET_MS, VARLEN_DOCS
 from hf_flash.bench.timing import SustainedTimer
 
 loaded, detail = ops.extension_status()  # builds or loads the kernels (import alone does neither)
@@ -26,9 +26,11 @@ if not loaded:
 # (name, batch, seqlen, heads, kv heads, head dim, causal): the e2e benchmark's Llama layer, the paper grid, S = 512
 # (issue 16's short-sequence cells), then T5's shapes with and without its relative position bias ("bias": a
 # float32 (H, 2R + 1) table, R = REL_BIAS_RADIUS as in the kernel benchmark's rel_bias rows), then grids of few
-# tiles: the e2e benchmark's small model and single-prompt Llama prefills; d256 (Gemma 2 / 3) last.
+# tiles: the e2e benchmark's small model and single-prompt Llama prefills; d256 (Gemma 2 / 3) last. "packed": the
+# kernel benchmark's packed batch (its documents' lengths, GQA 32/8, d128, causal), whose cuDNN column (SDPA has no
+# packed form) is its longest document alone, a clock reference for ÷cuDNN.
 CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384, 16, 8, 128, True),
-         ("llama 8x1024", 8, 1024, 16, 8, 128, True),
+         ("llama 8x1024", 8, 1024, 16, 8, 128, True), ("packed 8 docs", 1, max(VARLEN_DOCS), 32, 8, 128, True),
          ("d128 causal 1k", 16, 1024, 16, 16, 128, True), ("d128 full 1k", 16, 1024, 16, 16, 128, False),
          ("d128 causal 2k", 8, 2048, 16, 16, 128, True), ("d128 causal 16k", 1, 16384, 16, 16, 128, True),
          ("d128 full 2k", 8, 2048, 16, 16, 128, False), ("d128 full 16k", 1, 16384, 16, 16, 128, False),
@@ -65,39 +67,48 @@ def time_ms(fn, inputs):
     return sustained(fn, calls, host_guess)[0]
 
 
-def case(b, s, h, hk, d, causal, bias):
-    """({backend: callable}, the inputs whose grads do_bench resets) for one case of the chosen pass."""
+def case(b, s, h, hk, d, causal, bias, docs=()):
+    """({backend: callable}, the inputs whose grads do_bench resets) for one case of the chosen pass; `docs`: hf_flash
+    runs these packed documents (cuDNN the dense b x s)."""
     q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     table = torch.randn(h, 2 * REL_BIAS_RADIUS + 1, device="cuda", requires_grad=True) if bias else None
     opts = (d**-0.5, causal, -1, 0 if causal else -1, 0.0, None, 0.0, None)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    hq, hk_, hv, cu, sh = q, k, v, None, s  # hf_flash's inputs
+    if docs:
+        cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        hq, hk_, hv = (torch.randn(sum(docs), x.shape[2], d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for x in (q, k, v))
+        sh = max(docs)
     if mode == "fwd":
         def cudnn():
             with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk)
 
-        return {"hf_flash": lambda: torch.ops.hf_flash.fwd(q, k, v, None, None, s, s, *opts, False, None, table),
-                "cudnn": cudnn}, [q, k, v]
-    dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-    out, lse = torch.ops.hf_flash.fwd(q, k, v, None, None, s, s, *opts, False, None, table)
+        return {"hf_flash": lambda: torch.ops.hf_flash.fwd(hq, hk_, hv, cu, cu, sh, sh, *opts, False, None, table),
+                "cudnn": cudnn}, [q, k, v, hq, hk_, hv]
+    dout = torch.randn_like(hq)
+    out, lse = torch.ops.hf_flash.fwd(hq, hk_, hv, cu, cu, sh, sh, *opts, False, None, table)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk)
 
     def bwd(det):
-        return lambda: torch.ops.hf_flash.bwd(dout, q, k, v, out, lse, None, None, s, s, *opts, det, None, table)
+        return lambda: torch.ops.hf_flash.bwd(dout, hq, hk_, hv, out, lse, cu, cu, sh, sh, *opts, det, None, table)
 
     # autograd.grad: new gradients each call, none accumulated into .grad (an extra pass do_bench resets away)
+    do_t = torch.randn_like(o)
     fns = {"hf_flash": bwd(False),
-           "cudnn": lambda: torch.autograd.grad(o, (q, k, v), dout.transpose(1, 2), retain_graph=True)}
+           "cudnn": lambda: torch.autograd.grad(o, (q, k, v), do_t, retain_graph=True)}
     if os.environ.get("AB_DET") == "1":
         fns["det"] = bwd(True)
-    return fns, [q, k, v]
+    return fns, [q, k, v, hq, hk_, hv]
 
 
 for name, b, s, h, hk, d, causal in CASES:
-    flops = (2.5 if mode == "bwd" else 1.0) * 4 * b * s * s * h * d / (2 if causal else 1)
-    fns, inputs = case(b, s, h, hk, d, causal, name.endswith(" bias"))
+    docs = VARLEN_DOCS if name.startswith("packed") else ()
+    flops = (2.5 if mode == "bwd" else 1.0) * 4 * sum(n * n for n in docs or [s] * b) * h * d / (2 if causal else 1)
+    fns, inputs = case(b, s, h, hk, d, causal, name.endswith(" bias"), docs)
     for backend, fn in fns.items():
         ms = time_ms(fn, inputs)
         print(f"{tag},{name},{backend},{ms:.4f},{flops / ms * 1e-9:.1f}", flush=True)

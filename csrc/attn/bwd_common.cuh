@@ -321,12 +321,8 @@ __global__ void __launch_bounds__(kThreads) convert_dq_blocks_kernel(const BwdPa
   const int g = int(idx % 8), j = int(idx / 8 % 8), w = int(idx / 64 % 4), piece = int(idx / 256 % 2);
   const int head = int(idx / 512 % p.h);
   const int64_t block = idx / 512 / p.h;
-  int b = p.cu_seqlens_q ? 0 : int(block / ((p.seqlen_q + block_m - 1) / block_m));
-  for (int hi = p.cu_seqlens_q ? p.b - 1 : 0; b < hi;) {  // varlen: the last sequence whose first block <= block
-    const int mid = (b + hi + 1) / 2;
-    if (dq_block0(p, mid, seq_rows(p.cu_seqlens_q, mid, p.total_q, p.seqlen_q).x, block_m) <= block) b = mid;
-    else hi = mid - 1;
-  }
+  const int b = p.cu_seqlens_q ? packed_block_seq(p.cu_seqlens_q, p.b, p.total_q, block, block_m)
+                               : int(block / ((p.seqlen_q + block_m - 1) / block_m));
   const int2 rows = seq_rows(p.cu_seqlens_q, b, p.total_q, p.seqlen_q);
   const int r = int(block - dq_block0(p, b, rows.x, block_m)) * block_m + (block_m == 64 ? 0 : 64 * piece) + 16 * w + g;
   const int c = (block_m == 64 ? 64 * piece : 0) + 8 * j;
@@ -339,7 +335,7 @@ __global__ void __launch_bounds__(kThreads) convert_dq_blocks_kernel(const BwdPa
              (p.cu_seqlens_q ? int64_t(rows.x) * p.dq_row_stride : int64_t(b) * p.dq_batch_stride);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    if (r + 8 * half >= rows.y) return;
+    if (r < 0 || r + 8 * half >= rows.y) return;  // r < 0: a block before the first sequence's (cu_seqlens[0] > 0)
     uint4 out;
     out.x = tile::pack2<kIsBf16>(half ? v[0].z : v[0].x, half ? v[0].w : v[0].y);
     out.y = tile::pack2<kIsBf16>(half ? v[1].z : v[1].x, half ? v[1].w : v[1].y);

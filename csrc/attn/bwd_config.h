@@ -27,14 +27,12 @@ __host__ __device__ constexpr int sm90_block_m(int d) { return d == 64 ? 128 : k
 __host__ __device__ constexpr bool sm90_dq_blocked(int d) { return d == 64 || d == 128; }
 constexpr int kDqBlockFloats = 128 * 64;
 // Sequence b's first dQ block (`start`: its first row, as seq_rows gives it): dense b ceil(seqlen_q / M); varlen
-// (start + b M) / M, which leaves every sequence ceil(length / M) blocks before the next one's first.
+// its packed block (flash.h: packed_block0).
 __host__ __device__ inline int64_t dq_block0(const BwdParams& p, int b, int start, int block_m) {
-  return p.cu_seqlens_q ? (int64_t(start) + int64_t(b) * block_m) / block_m
-                        : int64_t(b) * ((p.seqlen_q + block_m - 1) / block_m);
+  return p.cu_seqlens_q ? packed_block0(start, b, block_m) : int64_t(b) * ((p.seqlen_q + block_m - 1) / block_m);
 }
 inline int64_t dq_blocks(const BwdParams& p, int block_m) {
-  return p.cu_seqlens_q ? (int64_t(p.total_q) + int64_t(p.b) * block_m) / block_m + 1
-                        : int64_t(p.b) * ((p.seqlen_q + block_m - 1) / block_m);
+  return p.cu_seqlens_q ? packed_blocks(p.total_q, p.b, block_m) : int64_t(p.b) * ((p.seqlen_q + block_m - 1) / block_m);
 }
 
 // Key blocks of `block` keys (the mma.sync kernels': block_n(p.d); the Hopper kernel passes its own).

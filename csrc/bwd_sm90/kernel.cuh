@@ -153,15 +153,15 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // d512: the buffer the peer CTA's partials arrive in (x_full: its bytes; x_empty: the peer has read this CTA's).
   const uint32_t sX = base + Tr::kX, x_full = do_empty + 8, x_empty = x_full + 8;
 
-  // Pairs (kv head, batch), blocks = key blocks: block 0 sees the most query blocks (sm90/schedule.cuh). d512: a
-  // cluster of two CTAs a tile, rank r owning columns 256 r .. of d.
+  // Pairs (kv head, batch), blocks = key blocks: block 0 sees the most query blocks (sm90/schedule.cuh); packed
+  // rows: pairs (kv head), blocks = packed key blocks (flash.h: packed_block0), so short sequences take no CTAs
+  // for the key blocks they lack. d512: a cluster of two CTAs a tile, rank r owning columns 256 r .. of d.
   constexpr int kCtasPerTile = Tr::kCtasPerTile;
   const uint32_t rank = Tr::kCluster ? sm90::cluster_ctarank() : 0;
   const int col_base = Tr::kCluster ? kD * int(rank) : 0;
-  const int n_blocks = gridDim.x / kCtasPerTile / (p.h_k * p.b);
-  const sm90::SectionTile cta = sm90::section_tile(p.h_k * p.b, n_blocks, group, blockIdx.x / kCtasPerTile);
-  const int hk = cta.pair % p.h_k, b = cta.pair / p.h_k, groups = p.h / p.h_k;
-  const bwd::Seq seq(p, b);
+  const bool packed = p.cu_seqlens_k != nullptr;
+  const int pairs = packed ? p.h_k : p.h_k * p.b, n_blocks = gridDim.x / kCtasPerTile / pairs;
+  const sm90::SectionTile cta = sm90::section_tile(pairs, n_blocks, group, blockIdx.x / kCtasPerTile);
   // Deterministic mode (dq_order: a counter per (batch, query head, query block)) orders the dQ additions into a
   // query block by key block, in the order the grid starts the key blocks, so a CTA only ever waits for CTAs that
   // started before it. d128 adds in ascending order (the grid's own, heaviest causal blocks first), each key block
@@ -170,9 +170,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // m one step after the one it waits for, which measured 2-5% faster than ascending at causal d64 shapes
   // (docs/design/backward-sm90.md).
   constexpr bool kAscendingAdds = kD == 128;
-  const int n_block = dq_order && !kAscendingAdds ? n_blocks - 1 - cta.block : cta.block;
+  const int block = dq_order && !kAscendingAdds ? n_blocks - 1 - cta.block : cta.block;
+  const int hk = cta.pair % p.h_k, groups = p.h / p.h_k;
+  const int b = packed ? packed_block_seq(p.cu_seqlens_k, p.b, p.total_k, block, kBlockN) : cta.pair / p.h_k;
+  const bwd::Seq seq(p, b);
+  const int n_block = packed ? int(block - packed_block0(seq.k0, b, kBlockN)) : block;
   const int n0 = n_block * kBlockN;
-  if (n0 >= seq.sk) return;  // varlen: past this sequence's keys (the whole CTA)
+  if (n_block < 0 || n0 >= seq.sk) return;  // packed: a block no sequence owns (the whole CTA)
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
   // (The bias's gradient is never deterministic, binding.cpp: its kernel keeps the ascending walk and a register.)
   const bool walk_down = kAscendingAdds && !kRelBias && dq_order;

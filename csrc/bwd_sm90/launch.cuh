@@ -54,8 +54,11 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
 
   err = bwd::bwd_prologue<kIsBf16, kHeadDim>(p, ws, stream);
   if (err != cudaSuccess) return err;
-  // Sections of (kv head, batch) pairs (sm90/schedule.cuh); a pair's key blocks share its Q and dO.
-  const int n_blocks = bwd::num_n_blocks(p, kBlockN), pairs = p.h_k * p.b;
+  // Sections of (kv head, batch) pairs (sm90/schedule.cuh); a pair's key blocks share its Q and dO. Packed rows:
+  // sections of kv heads over their packed key blocks (kernel.cuh).
+  const bool packed = p.cu_seqlens_k != nullptr;
+  const int n_blocks = packed ? int(packed_blocks(p.total_k, p.b, kBlockN)) : bwd::num_n_blocks(p, kBlockN);
+  const int pairs = packed ? p.h_k : p.h_k * p.b;
   const int group = sm90::section_group(p.window_right == 0, pairs, n_blocks, p.num_sms,
                                         int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2, int64_t(32) << 20);
   // A dependent of the prologue's last kernel and the convert kernel's primary: 2-4 launch gaps a call hidden.

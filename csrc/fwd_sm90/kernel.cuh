@@ -125,6 +125,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // query blocks of equal causal work, round-robin, or with few tiles (kSnake) every pair's blocks heaviest first
   // (sm90/schedule.cuh) ----
   const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  // One CTA a tile: (head, batch, query block) dense, (head, packed block) varlen (flash.h: packed_block0), so a
+  // packed batch has no CTAs for the query blocks its short sequences lack.
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int pairs = varlen ? p.h : p.h * p.b, blocks = varlen ? int(packed_blocks(p.total_q, p.b, kBlockM)) : m_blocks;
   const sm90::FoldedTiles folded(m_blocks);
   const sm90::SnakeTiles snaked{p.h * p.b};
   constexpr bool kSnake = Tr::kSnake;
@@ -137,19 +141,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     KeyWindow w;
   };
   auto tile_at = [&](int tile) {
-    const sm90::SectionTile st = !kPersistent ? sm90::section_tile(p.h * p.b, m_blocks, group)
+    const sm90::SectionTile st = !kPersistent ? sm90::section_tile(pairs, blocks, group)
                                  : kSnake     ? snaked.at(tile)
                                               : folded.at(tile);
-    const int m_block = m_blocks - 1 - st.block;  // block 0: the longest causal rows; -1: none (m0 past the rows)
-    const int head = st.pair % p.h, batch = st.pair / p.h;
+    // st.block 0: the last query block (a sequence's longest causal rows); -1: none. Varlen: the last sequence's.
+    const int block = blocks - 1 - st.block, head = st.pair % p.h;
+    const int batch = varlen ? packed_block_seq(p.cu_seqlens_q, p.b, p.total_q, block, kBlockM) : st.pair / p.h;
     const int2 rows_q = seq_rows(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
+    // Packed: a block before the first sequence's first (cu_seqlens_q[0] > 0, invalid) repeats that block.
+    const int m_block = varlen ? max(0, int(block - packed_block0(rows_q.x, batch, kBlockM))) : block;
     const int2 keys = fwd::key_range(p, batch);
     const KeyWindow w(p, rows_q.y, keys.y);
     const int m0 = m_block * kBlockM, m_last = min(m0 + kBlockM, rows_q.y) - 1;
     const int2 blocks = m0 < rows_q.y ? w.key_blocks(m0, m_last, kBlockN) : make_int2(0, 0);
     return Tile{head, batch, rows_q.x, rows_q.y, keys.x, keys.y, m0, m_last, blocks.x, blocks.y, w};
   };
-  const bool varlen = p.cu_seqlens_q != nullptr;
 
   if (threadIdx.x == 0) {
     for (int buf = 0; buf < kQBuffers; ++buf) {

@@ -22,8 +22,10 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if (m_blocks == 0 || p.b == 0) return cudaSuccess;
   // One CTA a tile: sections of (head, batch) pairs, longest causal tiles first; persistent: one CTA an SM over
   // couples of tiles, or with few couples over all tiles heaviest first (sm90/schedule.cuh). A pair's tiles share
-  // its K and V.
-  const int64_t pairs = int64_t(p.h) * p.b, tiles = m_blocks * pairs;
+  // its K and V. Packed rows: a head's packed blocks in place of (head, batch) pairs' query blocks (kernel.cuh).
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int64_t blocks = varlen ? packed_blocks(p.total_q, p.b, Tr::kBlockM) : m_blocks;
+  const int64_t pairs = int64_t(p.h) * (varlen ? 1 : p.b), tiles = blocks * pairs;
   const int64_t couples = sm90::FoldedTiles(m_blocks).couples * pairs;
   if constexpr (Tr::kPersistent && !Tr::kSnake) {
     if (sm90::snake_deal(couples, p.num_sms)) return launch_fwd_sm90<typename Tr::Snaked>(p, stream);
@@ -32,11 +34,10 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // Every tile streams its pair's K / V, so a section holds at most 8 MiB of them: d128 causal 16k (8 MiB a pair)
   // measured 0.94-0.96x / 0.98x with 3 / 2 pairs a section, Llama 2 x 4096 (2 MiB) 1.04-1.11x with 8-9.
   const int group = Tr::kPersistent ? 1
-                                    : sm90::section_group(p.window_right == 0, int(pairs), m_blocks, p.num_sms,
+                                    : sm90::section_group(p.window_right == 0, int(pairs), int(blocks), p.num_sms,
                                                           int64_t(p.seqlen_k) * p.d * 2 * 2, int64_t(8) << 20);
 
   // Maps over (d, heads, rows, batch); a varlen tensor is one batch of its total rows.
-  const bool varlen = p.cu_seqlens_q != nullptr;
   auto make_map = [&](CUtensorMap* map, const void* ptr, int heads, int rows, int64_t head_stride,
                       int64_t row_stride, int64_t batch_stride, int box_rows) {
     return sm90::make_rows_map(map, ptr, sm90::tma_elem(kIsBf16), p.d, heads, rows, varlen ? 1 : p.b, head_stride, row_stride,
