@@ -31,6 +31,7 @@ if not loaded:
 # packed form) is its longest document alone, a clock reference for ÷cuDNN.
 CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384, 16, 8, 128, True),
          ("llama 8x1024", 8, 1024, 16, 8, 128, True), ("packed 8 docs", 1, max(VARLEN_DOCS), 32, 8, 128, True),
+         ("packed 8 docs d64", 1, max(VARLEN_DOCS), 32, 8, 64, True),
          ("d128 causal 1k", 16, 1024, 16, 16, 128, True), ("d128 full 1k", 16, 1024, 16, 16, 128, False),
          ("d128 causal 2k", 8, 2048, 16, 16, 128, True), ("d128 causal 16k", 1, 16384, 16, 16, 128, True),
          ("d128 full 2k", 8, 2048, 16, 16, 128, False), ("d128 full 16k", 1, 16384, 16, 16, 128, False),

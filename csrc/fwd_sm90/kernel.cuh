@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
   // One CTA a tile: (head, batch, query block) dense, (head, packed block) varlen (flash.h: packed_block0), so a
   // packed batch has no CTAs for the query blocks its short sequences lack.
-  const bool varlen = p.cu_seqlens_q != nullptr;
+  const bool varlen = !kPersistent && p.cu_seqlens_q != nullptr;  // persistent kernels: dense only (launch.cuh)
   const int pairs = varlen ? p.h : p.h * p.b, blocks = varlen ? int(packed_blocks(p.total_q, p.b, kBlockM)) : m_blocks;
   const sm90::FoldedTiles folded(m_blocks);
   const sm90::SnakeTiles snaked{p.h * p.b};
