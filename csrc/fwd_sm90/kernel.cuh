@@ -127,13 +127,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
   // One CTA a tile: (head, batch, query block) dense, (head, packed block) varlen (flash.h: packed_block0), so a
   // packed batch has no CTAs for the query blocks its short sequences lack.
-  const bool varlen = !kPersistent && p.cu_seqlens_q != nullptr;  // persistent kernels: dense only (launch.cuh)
+  constexpr bool kSnake = Tr::kSnake;
+  const bool varlen = (!kPersistent || kSnake) && p.cu_seqlens_q != nullptr;  // couples: dense only (launch.cuh)
   const int pairs = varlen ? p.h : p.h * p.b, blocks = varlen ? int(packed_blocks(p.total_q, p.b, kBlockM)) : m_blocks;
   const sm90::FoldedTiles folded(m_blocks);
-  const sm90::SnakeTiles snaked{p.h * p.b};
-  constexpr bool kSnake = Tr::kSnake;
+  const sm90::SnakeTiles snaked{pairs};
   const int first_tile = !kPersistent ? 0 : kSnake ? snaked.first() : folded.first();
-  const int tiles = !kPersistent ? 1 : kSnake ? m_blocks * p.h * p.b : 2 * folded.couples * p.h * p.b;
+  const int tiles = !kPersistent ? 1 : kSnake ? blocks * pairs : 2 * folded.couples * p.h * p.b;
   auto next_tile = [&](int tile) { return !kPersistent ? tiles : kSnake ? snaked.next(tile) : folded.next(tile); };
   // A tile's problem (as in fwd/kernel.cuh); empty when its query block is past its sequence (varlen).
   struct Tile {

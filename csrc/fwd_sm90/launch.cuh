@@ -82,8 +82,13 @@ cudaError_t run_fwd_sm90_shape(const FwdParams& p, cudaStream_t stream) {
   const bool causal = p.window_right == 0;
   const bool linear_work = p.window_left < 0 && p.window_right <= 0 && !p.cu_seqlens_q && !p.seqused_k;
   if constexpr (kHeadDim <= 128) {  // d256 has no room for a second Q buffer
+    using Persistent = fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kScores>;
     if (linear_work && p.seqlen_k <= (kHeadDim == 64 && !causal ? kPersistentKeysD64Full : kPersistentKeys)) {
-      return launch_fwd_sm90<fwd_sm90::FwdSm90Traits<kIsBf16, kHeadDim, 2, true, kScores>>(p, stream);
+      return launch_fwd_sm90<Persistent>(p, stream);
+    }
+    // Packed rows without a window: every (head, packed block) heaviest first in a snake over persistent CTAs.
+    if (p.cu_seqlens_q && !p.seqused_k && p.window_left < 0 && p.window_right <= 0) {
+      return launch_fwd_sm90<typename Persistent::Snaked>(p, stream);
     }
   }
   if constexpr (kHeadDim == 64 && kScores != Scores::kSoftcap) {  // softcap at d64: two consumers
