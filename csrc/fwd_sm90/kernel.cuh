@@ -52,6 +52,9 @@ struct FwdSm90Traits {
   static constexpr Scores kScores = kScores_;
   static constexpr bool kSnake = kSnake_;
   static_assert(!kSnake || kPersistent_, "a deal of persistent CTAs");
+  // Packed (varlen) rows: the one-tile kernels and the d128 snake (launch.cuh). Its tiles are (head, packed block)
+  // (flash.h: packed_block0); the other persistent kernels are compiled without that search.
+  static constexpr bool kTakesPacked = !kPersistent_ || (kSnake_ && kHeadDim_ == 128);
   using Snaked = FwdSm90Traits<kIsBf16_, kHeadDim_, kConsumers_, kPersistent_, kScores_, true>;  // launch.cuh's pick
   static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64 && !kPersistent_), "instantiated shapes");
   static constexpr int kThreads = (kConsumers + 1) * 128;  // + the producer warpgroup
@@ -125,10 +128,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // query blocks of equal causal work, round-robin, or with few tiles (kSnake) every pair's blocks heaviest first
   // (sm90/schedule.cuh) ----
   const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-  // One CTA a tile: (head, batch, query block) dense, (head, packed block) varlen (flash.h: packed_block0), so a
-  // packed batch has no CTAs for the query blocks its short sequences lack.
+  // Tiles: (head, batch, query block) dense, (head, packed block) packed (flash.h: packed_block0), so a packed
+  // batch has no tiles for the query blocks its short sequences lack.
   constexpr bool kSnake = Tr::kSnake;
-  const bool varlen = (!kPersistent || kSnake) && p.cu_seqlens_q != nullptr;  // couples: dense only (launch.cuh)
+  const bool varlen = Tr::kTakesPacked && p.cu_seqlens_q != nullptr;
   const int pairs = varlen ? p.h : p.h * p.b, blocks = varlen ? int(packed_blocks(p.total_q, p.b, kBlockM)) : m_blocks;
   const sm90::FoldedTiles folded(m_blocks);
   const sm90::SnakeTiles snaked{pairs};

@@ -23,9 +23,9 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   // One CTA a tile: sections of (head, batch) pairs, longest causal tiles first; persistent: one CTA an SM over
   // couples of tiles, or with few couples over all tiles heaviest first (sm90/schedule.cuh). A pair's tiles share
   // its K and V. Packed rows: a head's packed blocks in place of (head, batch) pairs' query blocks (kernel.cuh).
-  const bool varlen = p.cu_seqlens_q != nullptr;
-  const int64_t blocks = varlen ? packed_blocks(p.total_q, p.b, Tr::kBlockM) : m_blocks;
-  const int64_t pairs = int64_t(p.h) * (varlen ? 1 : p.b), tiles = blocks * pairs;
+  const bool varlen = p.cu_seqlens_q != nullptr, packed = Tr::kTakesPacked && varlen;
+  const int64_t blocks = packed ? packed_blocks(p.total_q, p.b, Tr::kBlockM) : m_blocks;
+  const int64_t pairs = int64_t(p.h) * (packed ? 1 : p.b), tiles = blocks * pairs;
   const int64_t couples = sm90::FoldedTiles(m_blocks).couples * pairs;
   if constexpr (Tr::kPersistent && !Tr::kSnake) {
     if (sm90::snake_deal(couples, p.num_sms)) return launch_fwd_sm90<typename Tr::Snaked>(p, stream);
@@ -73,7 +73,8 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
 // the couples' last round would leave SMs idle, all tiles go heaviest first in a snake (SnakeTiles): the SmolLM2
 // layer (9 / 3 heads, d64, causal) at 8 x 1024 1.21x, 16 x 512 1.12x (same-process A/B, H100).
 // Same-process A/B: d128 full 1k / 2k 1.08x / 1.05x, causal 1k / 2k 1.14x / 1.08x, Llama 8 x 1024 1.18x, d64
-// causal 1k 1.14x (docs/design/forward-sm90.md). Windowed, packed and KV-cache rows keep one CTA a tile. Three
+// causal 1k 1.14x (docs/design/forward-sm90.md). Windowed and KV-cache rows keep one CTA a tile, packed rows too
+// but at d128 (below). Three
 // persistent consumers (160 registers) measured 0.84-1.00x the kernels used here at d64 up to 2k keys.
 constexpr int kPersistentKeys = 2048, kPersistentKeysD64Full = 1024;
 template <bool kIsBf16, int kHeadDim, Scores kScores>
@@ -86,9 +87,13 @@ cudaError_t run_fwd_sm90_shape(const FwdParams& p, cudaStream_t stream) {
     if (linear_work && p.seqlen_k <= (kHeadDim == 64 && !causal ? kPersistentKeysD64Full : kPersistentKeys)) {
       return launch_fwd_sm90<Persistent>(p, stream);
     }
-    // Packed rows without a window: every (head, packed block) heaviest first in a snake over persistent CTAs.
-    if (p.cu_seqlens_q && !p.seqused_k && p.window_left < 0 && p.window_right <= 0) {
-      return launch_fwd_sm90<typename Persistent::Snaked>(p, stream);
+    // Packed rows without a window at d128: every (head, packed block), each sequence's last first, in a snake
+    // over persistent CTAs. Against one CTA a tile (same-process A/B, H100), 8 packed documents 1.022x at d128,
+    // 0.970x at d64 (there the 192-row CTAs stay).
+    if constexpr (Persistent::Snaked::kTakesPacked) {
+      if (p.cu_seqlens_q && !p.seqused_k && p.window_left < 0 && p.window_right <= 0) {
+        return launch_fwd_sm90<typename Persistent::Snaked>(p, stream);
+      }
     }
   }
   if constexpr (kHeadDim == 64 && kScores != Scores::kSoftcap) {  // softcap at d64: two consumers
