@@ -16,7 +16,7 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hf_flash import ops
-from hf_flash.bench.kernels import MAX_CALLS, REL_BIAS_RADIUS, TARGET_MS, VARLEN_DOCS
+from hf_flash.bench.kernels import MAX_CALLS, REL_BIAS_RADIUS, TARGET_MS, VARLEN_DOCS, doc_offsets
 from hf_flash.bench.timing import SustainedTimer
 
 loaded, detail = ops.extension_status()  # builds or loads the kernels (import alone does neither)
@@ -76,19 +76,20 @@ def case(b, s, h, hk, d, causal, bias, docs=()):
     table = torch.randn(h, 2 * REL_BIAS_RADIUS + 1, device="cuda", requires_grad=True) if bias else None
     opts = (d**-0.5, causal, -1, 0 if causal else -1, 0.0, None, 0.0, None)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    hq, hk_, hv, cu, sh = q, k, v, None, s  # hf_flash's inputs
+    hq, hk_, hv, cu, sh = q, k, v, None, s  # hf_flash's inputs (packed: its own tensors, cuDNN keeps q, k, v)
     if docs:
-        cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        cu = doc_offsets(docs)
         hq, hk_, hv = (torch.randn(sum(docs), x.shape[2], d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                        for x in (q, k, v))
         sh = max(docs)
+    inputs = [q, k, v] + ([hq, hk_, hv] if docs else [])
     if mode == "fwd":
         def cudnn():
             with torch.no_grad(), sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != hk)
 
         return {"hf_flash": lambda: torch.ops.hf_flash.fwd(hq, hk_, hv, cu, cu, sh, sh, *opts, False, None, table),
-                "cudnn": cudnn}, [q, k, v, hq, hk_, hv]
+                "cudnn": cudnn}, inputs
     dout = torch.randn_like(hq)
     out, lse = torch.ops.hf_flash.fwd(hq, hk_, hv, cu, cu, sh, sh, *opts, False, None, table)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -103,7 +104,7 @@ def case(b, s, h, hk, d, causal, bias, docs=()):
            "cudnn": lambda: torch.autograd.grad(o, (q, k, v), do_t, retain_graph=True)}
     if os.environ.get("AB_DET") == "1":
         fns["det"] = bwd(True)
-    return fns, [q, k, v, hq, hk_, hv]
+    return fns, inputs
 
 
 for name, b, s, h, hk, d, causal in CASES:

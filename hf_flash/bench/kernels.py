@@ -247,11 +247,15 @@ def _backend_inputs(name: str, case: Case, inputs: dict) -> dict:
                                                        inputs["q"].dtype)}
 
 
+def doc_offsets(docs) -> torch.Tensor:
+    """cu_seqlens of packed documents of these lengths (int32, on the benchmark's device)."""
+    return torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()], dtype=torch.int32, device=B.DEVICE)
+
+
 def _attention(backend: str, case: Case):
     if not case.docs:
         return B.dense(backend, case.causal, case.window, case.dropout_p, case.softcap)
-    cu = torch.tensor([0, *torch.tensor(case.docs).cumsum(0).tolist()], dtype=torch.int32, device=B.DEVICE)
-    return B.varlen(backend, case.causal, cu, max(case.docs))
+    return B.varlen(backend, case.causal, doc_offsets(case.docs), max(case.docs))
 
 
 def _call(mode: str, attn, inputs: dict, dout):
