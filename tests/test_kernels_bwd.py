@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_flash import reference
-from helpers import capture_graph, cu_seqlens
+from helpers import capture_graph, cu_seqlens, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
@@ -64,6 +64,7 @@ def _dense_case(b, sq, sk, h, hk, d, dtype, causal, window, softcap, alibi, drop
     opts = (scale, causal, window[0], window[1], softcap, slopes, dropout_p, rng)
     out32, lse = reference.fwd(*f32, None, None, sq, sk, *opts)
     ref = reference.bwd(dout.float(), *f32, out32, lse, None, None, sq, sk, *opts)
+    poison_allocator()  # a dQ block no key block adds into (causal, sq > sk) must still read zero, not the workspace
     ours = torch.ops.hf_flash.bwd(dout, q, k, v, out32.to(dtype), lse, None, None, sq, sk, *opts, deterministic)[:3]
     keep = None
     if dropout_p > 0:
@@ -107,11 +108,13 @@ def _check_varlen(lens_q, lens_k, d, h, hk, causal):
     mq, mk = max(lens_q), max(lens_k)
     out32, lse = reference.fwd(*f32, cu_q, cu_k, mq, mk, *opts)
     ref = reference.bwd(dout.float(), *f32, out32, lse, cu_q, cu_k, mq, mk, *opts)
+    poison_allocator()
     ours = torch.ops.hf_flash.bwd(dout, q, k, v, out32.to(dtype), lse, cu_q, cu_k, mq, mk, *opts, False)[:3]
     same = [[], [], []]
     for i in range(len(lens_q)):
         sl_q, sl_k = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-        if lens_q[i] == 0:  # no query sees these keys
+        if lens_q[i] == 0 or lens_k[i] == 0:  # no query sees these keys, or these queries see no key
+            same[0].append(torch.zeros_like(q[sl_q]))
             same[1].append(torch.zeros_like(k[sl_k]))
             same[2].append(torch.zeros_like(v[sl_k]))
             continue
@@ -140,11 +143,16 @@ def test_grads_varlen_many_sequences(d, causal):
 def test_grads_varlen_empty_sequences_and_block_edges(d, causal):
     """Sequences of 0, 1, 63, 64, 65, 127, 128, 129 and 300 query rows (the Hopper kernel's query blocks are 64 rows
     at d128 and 128 at d64, and its dQ accumulator starts each sequence on a block of its own), two with keys and no
-    queries: every row's gradients against the float32 reference, the empty sequences' keys with zero dK / dV."""
+    queries and one with queries and no keys: every row's gradients against the float32 reference, the empty
+    sequences' keys with zero dK / dV and the keyless queries with zero dQ (no key block adds into their dQ blocks,
+    which the accumulator then never held)."""
     lens_q = [0, 1, 63, 64, 65, 0, 127, 128, 129, 300]
-    ours, cu_k = _check_varlen(lens_q, [n + 17 if n else 5 for n in lens_q], d, 4, 2, causal)
+    lens_k = [n + 17 if n else 5 for n in lens_q]
+    lens_k[7] = 0
+    ours, cu_k = _check_varlen(lens_q, lens_k, d, 4, 2, causal)
     for i in (0, 5):
         assert not ours[1][int(cu_k[i]):int(cu_k[i + 1])].any() and not ours[2][int(cu_k[i]):int(cu_k[i + 1])].any()
+    assert not ours[0][sum(lens_q[:7]):sum(lens_q[:8])].any()
 
 
 def _bwd_args(b=2, s=2048, h=16, hk=8, d=128, causal=True):

@@ -17,6 +17,12 @@ pytestmark = [
 ]
 
 
+def assert_near_sm80(out, out80, atol):
+    """Both kernels met the float32 reference (check_dense); their outputs may still round one 16-bit step apart,
+    2^-7 of a value at most (0.031 at 4.6, seen at d512 with a two-key window)."""
+    torch.testing.assert_close(out.float(), out80.float(), atol=atol, rtol=2**-7)
+
+
 def forward_kernels(fn):
     """Names of the CUDA kernels fn launches."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -60,7 +66,7 @@ def test_tile_edges(monkeypatch, dtype, d, sq, sk, causal):
     out, lse = check_dense(q, k, v, causal=causal)
     out80, lse80 = run_sm80(monkeypatch, lambda: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2])
     torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
-    torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)
+    assert_near_sm80(out, out80, atol=2e-2)
 
 
 # Windows whose edges fall inside, on and across the 128-key blocks, a window past every key, a window of one key;
@@ -75,7 +81,7 @@ def test_windows(monkeypatch, d, window, sq, sk):
     out80, lse80 = run_sm80(monkeypatch, lambda: flash_attn_func(q, k, v, window_size=window,
                                                                  return_attn_probs=True)[:2])
     assert torch.equal(lse.isposinf(), lse80.isposinf())
-    torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)
+    assert_near_sm80(out, out80, atol=2e-2)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256, 512])
@@ -106,7 +112,7 @@ def test_varlen_matches_sm80(monkeypatch, d, causal):
     out80, lse80 = run_sm80(monkeypatch, call)
     assert torch.equal(lse.isposinf(), lse80.isposinf())
     torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
-    torch.testing.assert_close(out.float(), out80.float(), atol=1e-2, rtol=0)
+    assert_near_sm80(out, out80, atol=1e-2)
 
 
 
@@ -140,7 +146,7 @@ def test_large_d_features(monkeypatch, d, causal, feature):
     out, lse = call()
     out80, lse80 = run_sm80(monkeypatch, call)
     torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
-    torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)
+    assert_near_sm80(out, out80, atol=2e-2)
 
 
 # Softcap (Gemma 2: 50, with sliding windows) is a compile-time variant of every Hopper forward: persistent (up to
@@ -156,7 +162,7 @@ def test_softcap(monkeypatch, d, window, sq, sk):
     out, lse = check_dense(q, k, v, window=window, softcap=5.0)
     out80, lse80 = run_sm80(monkeypatch, call)
     torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
-    torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)
+    assert_near_sm80(out, out80, atol=2e-2)
 
 # Full and causal attention over dense tensors with up to 2048 keys run persistent CTAs (fwd_sm90/launch.cuh): one
 # CTA per SM walks couples of query blocks (the heaviest causal block with the lightest), or, where the couples'
@@ -186,4 +192,4 @@ def test_persistent_tiles(monkeypatch, dtype, d, causal, feature, deal, batch):
     out, lse = call()
     out80, lse80 = run_sm80(monkeypatch, call)
     torch.testing.assert_close(lse, lse80, atol=1e-3, rtol=1e-4)
-    torch.testing.assert_close(out.float(), out80.float(), atol=2e-2, rtol=0)
+    assert_near_sm80(out, out80, atol=2e-2)

@@ -312,9 +312,12 @@ __global__ void __launch_bounds__(kThreads) convert_dq_kernel(const BwdParams p,
 // i = 32 w + 4 g + t held rows 16 w + g (+ 8) and columns 8 j + 2 t (+ 1) of its piece (the wgmma accumulator's
 // layout, sm90/wgmma.cuh). So threads 32 w + 4 g .. + 3's chunks j are 64 contiguous bytes holding columns
 // 8 j .. 8 j + 7 of two rows: one thread here reads them and writes both rows.
+// `touched` (or nullptr: all of them): a block's counter, 0 where no key block added into it (its accumulator was
+// not zeroed, BwdWorkspace::zero_counters_only), whose rows get zeros.
 template <bool kIsBf16>
 __global__ void __launch_bounds__(kThreads) convert_dq_blocks_kernel(const BwdParams p, const float* __restrict__ acc,
-                                                                     int block_m, int64_t blocks) {
+                                                                     int block_m, int64_t blocks,
+                                                                     const int* __restrict__ touched) {
   tile::grid_dependency_wait();  // launched as the Hopper backward's dependent: its additions are done
   const int64_t idx = int64_t(blockIdx.x) * kThreads + threadIdx.x;  // (block, head, piece, w, j, g), g fastest
   if (idx >= blocks * p.h * 512) return;
@@ -329,8 +332,9 @@ __global__ void __launch_bounds__(kThreads) convert_dq_blocks_kernel(const BwdPa
   const float4* src =
       reinterpret_cast<const float4*>(acc + (block * p.h + head) * kDqBlockFloats + 4096 * piece) + 128 * j + 32 * w + 4 * g;
   float4 v[4];
+  const bool added = !touched || touched[block * p.h + head] != 0;
 #pragma unroll
-  for (int t = 0; t < 4; ++t) v[t] = src[t];
+  for (int t = 0; t < 4; ++t) v[t] = added ? src[t] : make_float4(0.f, 0.f, 0.f, 0.f);
   auto* dq = static_cast<typename tile::Elem<kIsBf16>::T*>(p.dq) + c + int64_t(head) * p.dq_head_stride +
              (p.cu_seqlens_q ? int64_t(rows.x) * p.dq_row_stride : int64_t(b) * p.dq_batch_stride);
 #pragma unroll
@@ -346,19 +350,22 @@ __global__ void __launch_bounds__(kThreads) convert_dq_blocks_kernel(const BwdPa
 }
 
 // The backward around either main kernel, one stream and no host synchronisation:
-//   bwd_prologue  zeroes the fp32 dQ accumulators and d rel_bias, writes the padded bias table (RelBias::fill),
-//                 D = rowsum(dO * O) into the workspace and d sinks;
+//   bwd_prologue  zeroes the fp32 dQ accumulators (or only the counters: zero_counters_only) and d rel_bias,
+//                 writes the padded bias table (RelBias::fill), D = rowsum(dO * O) into the workspace and d sinks;
 //   bwd_epilogue  sums the accumulators into dq.
 struct BwdWorkspace {
   float* dsum;
   float* dq_acc;
   size_t dq_copy_floats;
   int copies;
-  int* counters;  // the Hopper backward's dQ order (deterministic mode; else nullptr)
+  int* counters;  // the Hopper backward's dQ counters (WorkspaceLayout), or nullptr
   size_t n_counters;
-  // 16-byte chunks from dq_acc on that start at zero: the accumulators and the counters after them, to the
-  // workspace's end (the layout's pieces are 256-byte aligned).
+  // What bwd_prologue zeroes (16-byte chunks from `zero`): the accumulators and the counters after them, to the
+  // workspace's end (the layout's pieces are 256-byte aligned); only the counters where the first add into each
+  // accumulator block stores it (zero_counters_only).
+  void* zero;
   int64_t zero_chunks;
+  bool first_add_stores = false;
   explicit BwdWorkspace(const BwdParams& p) {
     const WorkspaceLayout ws(p);
     auto* base = static_cast<unsigned char*>(p.workspace);
@@ -368,7 +375,13 @@ struct BwdWorkspace {
     copies = dq_copies(p);
     n_counters = ws.counters;
     counters = n_counters ? reinterpret_cast<int*>(base + ws.counters_offset) : nullptr;
+    zero = dq_acc;
     zero_chunks = int64_t(ws.bytes - ws.dq_offset) / 16;
+  }
+  void zero_counters_only() {
+    first_add_stores = true;
+    zero = counters;
+    zero_chunks = counters ? int64_t(WorkspaceLayout::align(sizeof(int) * n_counters)) / 16 : 0;
   }
 };
 
@@ -379,7 +392,7 @@ cudaError_t bwd_prologue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_
   const int64_t row_warps = int64_t(p.total_q) * p.h;
   constexpr int kDotLanes = dot_lanes(kHeadDim);
   dot_do_o_kernel<kIsBf16, kHeadDim><<<(row_warps * kDotLanes + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      p, ws.dsum, reinterpret_cast<uint4*>(ws.dq_acc), ws.zero_chunks);
+      p, ws.dsum, static_cast<uint4*>(ws.zero), ws.zero_chunks);
   if (p.sinks) sink_grad_kernel<<<p.h, kSinkThreads, 0, stream>>>(p, ws.dsum);
   return cudaSuccess;
 }
@@ -393,7 +406,8 @@ cudaError_t bwd_epilogue(const BwdParams& p, const BwdWorkspace& ws, cudaStream_
     if (dq_block_m) {
       const int64_t blocks = dq_blocks(p, dq_block_m), threads = blocks * p.h * 512;
       return launch_kernel(&convert_dq_blocks_kernel<kIsBf16>, int((threads + kThreads - 1) / kThreads), kThreads,
-                           0, stream, dependent, p, ws.dq_acc, dq_block_m, blocks);
+                           0, stream, dependent, p, ws.dq_acc, dq_block_m, blocks,
+                           ws.first_add_stores ? ws.counters : nullptr);
     }
   }
   const int64_t chunks = int64_t(p.total_q) * p.h * (kHeadDim / 8);

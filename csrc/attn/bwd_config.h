@@ -81,13 +81,14 @@ inline int rel_bias_smem(BwdParams& p, int tile_bytes, int kJ, bool sums_in_gmem
   return tile_bytes + (p.rel_bias_in_gmem ? 0 : sums) + (p.rel_bias_direct ? 0 : staging);
 }
 
-// Workspace: D = rowsum(dO * O) as (h, total_q) floats, then the dQ copies as
-// (copy, total_q, h, d) floats, then (deterministic mode) the Hopper backward's dQ-order counters as
-// (b, h, ceil(seqlen_q / kSm90BlockM)) ints, each part 256-byte aligned.
+// Workspace: D = rowsum(dO * O) as (h, total_q) floats, then the dQ copies as (copy, total_q, h, d) floats, then
+// the Hopper backward's dQ counters, each part 256-byte aligned: with whole blocks (sm90_dq_blocked) one int per
+// accumulator block (block, head), in either mode (bwd_sm90/kernel.cuh: the first add into a block stores it);
+// else, in deterministic mode, (b, h, ceil(seqlen_q / kSm90BlockM)) ints.
 struct WorkspaceLayout {
   size_t dsum_offset, dq_offset, dq_copy_floats, counters_offset, counters, bytes;
+  static constexpr size_t align(size_t x) { return (x + 255) / 256 * 256; }
   explicit WorkspaceLayout(const BwdParams& p) {
-    auto align = [](size_t x) { return (x + 255) / 256 * 256; };
     dsum_offset = 0;
     dq_offset = align(sizeof(float) * size_t(p.h) * p.total_q);
     dq_copy_floats = size_t(p.total_q) * p.h * p.d;  // rows, or the Hopper kernel's blocks (either may run)
@@ -95,7 +96,9 @@ struct WorkspaceLayout {
       dq_copy_floats = std::max(dq_copy_floats, size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h * kDqBlockFloats);
     }
     counters_offset = dq_offset + align(sizeof(float) * dq_copy_floats * dq_copies(p));
-    counters = p.deterministic ? size_t(p.b) * p.h * ((p.seqlen_q + kSm90BlockM - 1) / kSm90BlockM) : 0;
+    counters = sm90_dq_blocked(p.d) ? size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h
+               : p.deterministic    ? size_t(p.b) * p.h * ((p.seqlen_q + kSm90BlockM - 1) / kSm90BlockM)
+                                    : 0;
     bytes = counters_offset + align(sizeof(int) * counters);
   }
 };

@@ -130,7 +130,7 @@ struct TmaMaps {
 template <bool kIsBf16, int kHeadDim, Scores kScores>
 __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Scores::kRelBias>::kThreads, 1)
     bwd_sm90_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ TmaMaps maps,
-                const float* __restrict__ dsum, int* __restrict__ dq_order, int group, float* __restrict__ dq_acc) {
+                const float* __restrict__ dsum, int* __restrict__ dq_counters, int group, float* __restrict__ dq_acc) {
 #ifdef HF_SM90_ENABLED
   constexpr bool kRelBias = kScores == Scores::kRelBias, kSoftcap = kScores == Scores::kSoftcap;
   static_assert(kScores != Scores::kPlainOrRelBias, "one walk a backward kernel");
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   const bool packed = p.cu_seqlens_k != nullptr;
   const int pairs = packed ? p.h_k : p.h_k * p.b, n_blocks = gridDim.x / kCtasPerTile / pairs;
   const sm90::SectionTile cta = sm90::section_tile(pairs, n_blocks, group, blockIdx.x / kCtasPerTile);
-  // Deterministic mode (dq_order: a counter per (batch, query head, query block)) orders the dQ additions into a
+  // Deterministic mode (a counter per (query block, head) in dq_counters) orders the dQ additions into a
   // query block by key block, in the order the grid starts the key blocks, so a CTA only ever waits for CTAs that
   // started before it. d128 adds in ascending order (the grid's own, heaviest causal blocks first), each key block
   // walking its query blocks last first: every key block of a causal pair reaches query block m at the same step.
@@ -170,7 +170,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // m one step after the one it waits for, which measured 2-5% faster than ascending at causal d64 shapes
   // (docs/design/backward-sm90.md).
   constexpr bool kAscendingAdds = kD == 128;
-  const int block = dq_order && !kAscendingAdds ? n_blocks - 1 - cta.block : cta.block;
+  const bool ordered = p.deterministic;
+  const int block = ordered && !kAscendingAdds ? n_blocks - 1 - cta.block : cta.block;
   const int hk = cta.pair % p.h_k, groups = p.h / p.h_k;
   const int b = packed ? packed_block_seq(p.cu_seqlens_k, p.b, p.total_k, block, kBlockN) : cta.pair / p.h_k;
   const bwd::Seq seq(p, b);
@@ -179,7 +180,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   if (n_block < 0 || n0 >= seq.sk) return;  // packed: a block no sequence owns (the whole CTA)
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
   // (The bias's gradient is never deterministic, binding.cpp: its kernel keeps the ascending walk and a register.)
-  const bool walk_down = kAscendingAdds && !kRelBias && dq_order;
+  const bool walk_down = kAscendingAdds && !kRelBias && ordered;
   auto q_block = [&](int mi) { return kb.m_begin + (walk_down ? kb.m_count - 1 - mi : mi); };
   const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
@@ -221,26 +222,39 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       // Rows past a dense batch's seqlen_q fall outside the map (dropped); varlen rows past a sequence add 0.
       const int row0 = p.cu_seqlens_q ? seq.ws0 : 0;
       int head = hk * groups, mi = 0;
-      const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;  // per (batch, head) in dq_order
+      const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;  // per (batch, head) in the d256 counters
       int pending = -1;  // kWgSlots > 1: the slot of the newest reduction, released after the next one's issue
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it) {
         const int m = q_block(mi);
-        int* order = dq_order ? dq_order + (int64_t(b) * p.h + head) * m_blocks + m : nullptr;
-        // Deterministic: wait for the adds of the key blocks before this one in the order.
-        if (order) {
+        // Whole blocks (d64 / d128): the accumulator is not zeroed, so the first add into a block stores it and
+        // the others add once that store is complete (counter 0: untouched, 1: being stored, 2: stored; in
+        // deterministic mode the number of adds so far, which the order's first starts). Else a counter per
+        // (batch, head, query block) in deterministic mode only.
+        int* counter = Tr::kDqBlocked ? dq_counters + (bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head
+                       : ordered      ? dq_counters + (int64_t(b) * p.h + head) * m_blocks + m
+                                      : nullptr;
+        bool store = false;
+        if (ordered) {  // deterministic: wait for the adds of the key blocks before this one in the order
           const int before = kAscendingAdds ? n_block - bwd::first_key_block<kBlockN, kBlockM>(p, seq, m)
                                             : bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block;
-          sm90::counter_wait_eq(order, before);
+          sm90::counter_wait(counter, before);
+          store = Tr::kDqBlocked && before == 0;
         }
         // Fill k of owner w's ring (d256: warpgroup w's columns 128 w + 32 k ..; else the whole tile).
         for (int k = 0; k < Tr::kDqFills; ++k) {
           for (int w = 0; w < Tr::kDqOwners; ++w) {
             const int fill = it * Tr::kDqFills + k, slot = w * Tr::kWgSlots + fill % Tr::kWgSlots;
             sm90::mbar_wait(dq_full(slot), (fill / Tr::kWgSlots) & 1);
-            if constexpr (Tr::kDqBlocked) {  // the whole block, in the consumers' order, with one bulk reduction
+            if constexpr (Tr::kDqBlocked) {  // the whole block, in the consumers' order, with one bulk copy
+              static_assert(!Tr::kDqBlocked || (Tr::kDqFills == 1 && Tr::kDqOwners == 1), "one fill a block");
+              if (!ordered) {  // claimed by the first key block whose tile is ready, so a wait is the store's time
+                store = atomicCAS(counter, 0, 1) == 0;
+                if (!store) sm90::counter_wait</*kAtLeast=*/true>(counter, 2);
+              }
               float* dst = dq_acc + ((bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head) * bwd::kDqBlockFloats;
-              sm90::bulk_reduce_add_f32(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
+              if (store) sm90::bulk_store(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
+              else sm90::bulk_reduce_add_f32(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
             } else {
               const int col0 = col_base + (Tr::kDSplit ? Tr::kDv * w + Tr::kDqSlotCols * k : 0);
               for (int panel = 0; panel < Tr::kDqSlotCols / 32; ++panel) {
@@ -261,11 +275,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
             }
           }
         }
-        if (order) {
-          sm90::bulk_wait<0>();  // the additions are done: the next key block may add
+        if (ordered || store) {
+          sm90::bulk_wait<0>();  // the additions (or the store) are done: the next key block may add
           if (pending >= 0) sm90::mbar_arrive(dq_empty(pending));
           pending = -1;
-          sm90::counter_release_inc(order);
+          sm90::counter_release_inc(counter);
         }
         mi = mi + 1 < kb.m_count ? mi + 1 : 0;
         head += mi == 0;

@@ -105,6 +105,11 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, uint32_t smem, 
                "r"(smem), "r"(bytes)
                : "memory");
 }
+// Copies `bytes` (a multiple of 16) from shared to global memory, as one bulk copy in this thread's bulk group.
+__device__ __forceinline__ void bulk_store(void* gmem, uint32_t smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(gmem), "r"(smem), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // At most kPending of this thread's bulk groups still read shared memory (the source may be reused).
 template <int kPending>
@@ -114,17 +119,18 @@ template <int kPending>
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory"); }
 
 // ---- ordering bulk global writes across CTAs (a counter in global memory) --------------------
-// Spins until *counter == value (acquire at GPU scope), then orders this thread's later bulk (async-proxy) global
-// operations after what the releasing threads wrote before their release.
-__device__ __forceinline__ void counter_wait_eq(const int* counter, int value) {
+// Spins until *counter == value (kAtLeast: >= value; acquire at GPU scope), then orders this thread's later bulk
+// (async-proxy) global operations after what the releasing threads wrote before their release.
+template <bool kAtLeast = false>
+__device__ __forceinline__ void counter_wait(const int* counter, int value) {
   int seen;
   do {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
-  } while (seen != value);
+  } while (kAtLeast ? seen < value : seen != value);
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 // Once this thread's bulk groups have completed (bulk_wait<0>): makes their global writes visible to the next
-// counter_wait_eq and adds 1 (release at GPU scope).
+// counter_wait and adds 1 (release at GPU scope).
 __device__ __forceinline__ void counter_release_inc(int* counter) {
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(counter) : "memory");
