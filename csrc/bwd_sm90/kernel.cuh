@@ -63,6 +63,13 @@ struct BwdSm90Traits {
   static constexpr int kColumns = kHeadDim;                      // of the tensors
   static constexpr int kBlockN = kDSplit ? 64 : 128, kBlockM = bwd::sm90_block_m(kHeadDim);
   static constexpr bool kDqBlocked = bwd::sm90_dq_blocked(kHeadDim);  // dQ in register order (bwd_config.h)
+  // Whole blocks go to an accumulator nobody zeroes where the first add into a block stores it (launch.cuh: the D
+  // kernel zeroes only the counters): in deterministic mode the order's first, else, at d64, the first key block
+  // whose tile is ready (claimed with a compare-and-swap; the others wait for its store). At d128 every key block of
+  // a causal pair reaches a query block at the same step, so they all waited on the claim: 0.91-0.95x at 2k-16k
+  // (same-process A/B, H100), against 1.02-1.05x at d64 1k; d128 keeps the zeroed accumulator there.
+  static constexpr bool kClaimFirstAdd = kDqBlocked && kHeadDim == 64;
+  static bool first_add_stores(const BwdParams& p) { return kDqBlocked && (kClaimFirstAdd || p.deterministic); }
   static_assert(!kDqBlocked || kBlockM * kD == bwd::kDqBlockFloats, "a dQ block is one query block");
   static constexpr int kDv = kDSplit ? kD / 2 : kD;  // columns of dK / dV a warpgroup holds
   static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
@@ -227,10 +234,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it) {
         const int m = q_block(mi);
-        // Whole blocks (d64 / d128): the accumulator is not zeroed, so the first add into a block stores it and
-        // the others add once that store is complete (counter 0: untouched, 1: being stored, 2: stored; in
-        // deterministic mode the number of adds so far, which the order's first starts). Else a counter per
-        // (batch, head, query block) in deterministic mode only.
+        // Whole blocks (d64 / d128): a counter per accumulator block. Where the accumulator is not zeroed
+        // (Tr::first_add_stores) the first add into a block stores it and the others add once that store is
+        // complete: deterministic mode counts the adds, the claim (d64) has 0 untouched, 1 being stored, 2 stored.
+        // Else a counter per (batch, head, query block) in deterministic mode only.
         int* counter = Tr::kDqBlocked ? dq_counters + (bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head
                        : ordered      ? dq_counters + (int64_t(b) * p.h + head) * m_blocks + m
                                       : nullptr;
@@ -248,7 +255,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
             sm90::mbar_wait(dq_full(slot), (fill / Tr::kWgSlots) & 1);
             if constexpr (Tr::kDqBlocked) {  // the whole block, in the consumers' order, with one bulk copy
               static_assert(!Tr::kDqBlocked || (Tr::kDqFills == 1 && Tr::kDqOwners == 1), "one fill a block");
-              if (!ordered) {  // claimed by the first key block whose tile is ready, so a wait is the store's time
+              if (Tr::kClaimFirstAdd && !ordered) {  // claimed by the first key block whose tile is ready
                 store = atomicCAS(counter, 0, 1) == 0;
                 if (!store) sm90::counter_wait</*kAtLeast=*/true>(counter, 2);
               }
