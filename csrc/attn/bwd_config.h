@@ -26,6 +26,13 @@ __host__ __device__ constexpr int sm90_block_m(int d) { return d == 64 ? 128 : k
 // Other head dims and the mma.sync kernels keep (copy, total_q, h, d) rows.
 __host__ __device__ constexpr bool sm90_dq_blocked(int d) { return d == 64 || d == 128; }
 constexpr int kDqBlockFloats = 128 * 64;
+// Whole blocks go to an accumulator nothing zeroes where the first add into a block stores it (bwd_sm90/kernel.cuh;
+// the D kernel then zeroes only the counters): in deterministic mode the order's first, and at d64 the first key
+// block whose tile is ready (a compare-and-swap claims the block, the others add once its store is complete).
+__host__ __device__ constexpr bool sm90_claims_first_add(int d) { return d == 64; }
+inline bool sm90_first_add_stores(const BwdParams& p) {
+  return sm90_dq_blocked(p.d) && (sm90_claims_first_add(p.d) || p.deterministic);
+}
 // Sequence b's first dQ block (`start`: its first row, as seq_rows gives it): dense b ceil(seqlen_q / M); varlen
 // its packed block (flash.h: packed_block0).
 __host__ __device__ inline int64_t dq_block0(const BwdParams& p, int b, int start, int block_m) {
@@ -82,9 +89,8 @@ inline int rel_bias_smem(BwdParams& p, int tile_bytes, int kJ, bool sums_in_gmem
 }
 
 // Workspace: D = rowsum(dO * O) as (h, total_q) floats, then the dQ copies as (copy, total_q, h, d) floats, then
-// the Hopper backward's dQ counters, each part 256-byte aligned: with whole blocks (sm90_dq_blocked) one int per
-// accumulator block (block, head), in either mode (bwd_sm90/kernel.cuh: the first add into a block stores it);
-// else, in deterministic mode, (b, h, ceil(seqlen_q / kSm90BlockM)) ints.
+// the Hopper backward's dQ counters, each part 256-byte aligned: where the first add stores (sm90_first_add_stores)
+// one int per accumulator block (block, head), else in deterministic mode (b, h, ceil(seqlen_q / kSm90BlockM)).
 struct WorkspaceLayout {
   size_t dsum_offset, dq_offset, dq_copy_floats, counters_offset, counters, bytes;
   static constexpr size_t align(size_t x) { return (x + 255) / 256 * 256; }
@@ -96,9 +102,9 @@ struct WorkspaceLayout {
       dq_copy_floats = std::max(dq_copy_floats, size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h * kDqBlockFloats);
     }
     counters_offset = dq_offset + align(sizeof(float) * dq_copy_floats * dq_copies(p));
-    counters = sm90_dq_blocked(p.d) ? size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h
-               : p.deterministic    ? size_t(p.b) * p.h * ((p.seqlen_q + kSm90BlockM - 1) / kSm90BlockM)
-                                    : 0;
+    counters = sm90_first_add_stores(p) ? size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h
+               : p.deterministic        ? size_t(p.b) * p.h * ((p.seqlen_q + kSm90BlockM - 1) / kSm90BlockM)
+                                        : 0;
     bytes = counters_offset + align(sizeof(int) * counters);
   }
 };

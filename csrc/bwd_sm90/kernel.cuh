@@ -63,13 +63,10 @@ struct BwdSm90Traits {
   static constexpr int kColumns = kHeadDim;                      // of the tensors
   static constexpr int kBlockN = kDSplit ? 64 : 128, kBlockM = bwd::sm90_block_m(kHeadDim);
   static constexpr bool kDqBlocked = bwd::sm90_dq_blocked(kHeadDim);  // dQ in register order (bwd_config.h)
-  // Whole blocks go to an accumulator nobody zeroes where the first add into a block stores it (launch.cuh: the D
-  // kernel zeroes only the counters): in deterministic mode the order's first, else, at d64, the first key block
-  // whose tile is ready (claimed with a compare-and-swap; the others wait for its store). At d128 every key block of
-  // a causal pair reaches a query block at the same step, so they all waited on the claim: 0.91-0.95x at 2k-16k
-  // (same-process A/B, H100), against 1.02-1.05x at d64 1k; d128 keeps the zeroed accumulator there.
-  static constexpr bool kClaimFirstAdd = kDqBlocked && kHeadDim == 64;
-  static bool first_add_stores(const BwdParams& p) { return kDqBlocked && (kClaimFirstAdd || p.deterministic); }
+  // The first add into a dQ block stores it (bwd_config.h: sm90_first_add_stores), claimed at d64. At d128 every
+  // key block of a causal pair reaches a query block at the same step, so they all waited on the claim: 0.91-0.95x
+  // at 2k-16k (same-process A/B, H100), against 1.02-1.05x at d64 1k; d128 keeps the zeroed accumulator there.
+  static constexpr bool kClaimFirstAdd = kDqBlocked && bwd::sm90_claims_first_add(kHeadDim);
   static_assert(!kDqBlocked || kBlockM * kD == bwd::kDqBlockFloats, "a dQ block is one query block");
   static constexpr int kDv = kDSplit ? kD / 2 : kD;  // columns of dK / dV a warpgroup holds
   static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
@@ -234,13 +231,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it) {
         const int m = q_block(mi);
-        // Whole blocks (d64 / d128): a counter per accumulator block. Where the accumulator is not zeroed
-        // (Tr::first_add_stores) the first add into a block stores it and the others add once that store is
-        // complete: deterministic mode counts the adds, the claim (d64) has 0 untouched, 1 being stored, 2 stored.
-        // Else a counter per (batch, head, query block) in deterministic mode only.
-        int* counter = Tr::kDqBlocked ? dq_counters + (bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head
-                       : ordered      ? dq_counters + (int64_t(b) * p.h + head) * m_blocks + m
-                                      : nullptr;
+        // A counter per accumulator block where the first add stores (bwd::sm90_first_add_stores): deterministic
+        // mode counts the adds, the claim (d64) has 0 untouched, 1 being stored, 2 stored. Else (d256, d512) a
+        // counter per (batch, head, query block) in deterministic mode only.
+        int* counter = Tr::kDqBlocked && (Tr::kClaimFirstAdd || ordered)
+                           ? dq_counters + (bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head
+                       : ordered ? dq_counters + (int64_t(b) * p.h + head) * m_blocks + m
+                                 : nullptr;
         bool store = false;
         if (ordered) {  // deterministic: wait for the adds of the key blocks before this one in the order
           const int before = kAscendingAdds ? n_block - bwd::first_key_block<kBlockN, kBlockM>(p, seq, m)

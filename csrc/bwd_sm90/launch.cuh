@@ -19,7 +19,7 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   if (!has_sm90a) return cudaErrorNoKernelImageForDevice;
   bwd::BwdWorkspace ws(p);
   ws.copies = 1;  // one dQ accumulator (deterministic mode orders the additions instead: kernel.cuh)
-  if (Tr::first_add_stores(p)) ws.zero_counters_only();  // the first add into a block stores it (kernel.cuh)
+  if (bwd::sm90_first_add_stores(p)) ws.zero_counters_only();  // the first add into a block stores it (kernel.cuh)
   const bool varlen = p.cu_seqlens_q != nullptr;
   // A varlen tensor is one batch of its total rows.
   const int batches = varlen ? 1 : p.b, rows_q = varlen ? p.total_q : p.seqlen_q;
