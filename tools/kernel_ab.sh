@@ -72,9 +72,11 @@ def normed(case, x):  # median over rounds of (x / its cuDNN) / (new / its cuDNN
 print(f"{'case':18} " + " ".join(f"{x:>9}" for x in cols) + " "
       + " ".join(f"{'new/' + x:>9}" for x in builds[1:]) + " " + " ".join(f"{'÷cuDNN':>9}" for x in builds[1:])
       + " " + " ".join(f"{x + '/':>10}" for x in dets) + "  cudnn/new  spread")
+nan = float("nan")
 for case in dict.fromkeys(c for c, _ in t):
-    ms = {x: med(case, x) for x in cols}
-    spread = max((max(t[(case, x)]) - min(t[(case, x)])) / ms[x] for x in cols)
+    # a column a case has no time for (a deterministic run the case refuses, e.g. the bias's): NaN
+    ms = {x: med(case, x) if t.get((case, x)) else nan for x in cols}
+    spread = max((max(t[(case, x)]) - min(t[(case, x)])) / ms[x] for x in cols if t.get((case, x)))
     print(f"{case:18} " + " ".join(f"{ms[x]:9.3f}" for x in cols) + " "
           + " ".join(f"{ms[x] / ms['new']:9.3f}" for x in builds[1:]) + " "
           + " ".join(f"{normed(case, x):9.3f}" for x in builds[1:]) + " "
