@@ -260,11 +260,6 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(
 #ifdef HF_FLASH_DISABLE_FORWARD
   TORCH_CHECK(false, "hf_flash: built with HF_FLASH_DISABLE_FORWARD=1");
 #else
-  at::Tensor packed_order;  // the packed blocks' order, written by the launch's first kernel
-  if (const int64_t n = fwd_packed_order_entries(p)) {
-    packed_order = at::empty({n}, q.options().dtype(at::kInt));
-    p.packed_order = packed_order.data_ptr<int>();
-  }
   check_launch(run_fwd(p, at::cuda::getCurrentCUDAStream()), q, &p);
 #endif
   return {o.finish(), lse};

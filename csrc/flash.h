@@ -116,11 +116,6 @@ struct FwdParams {
   int num_splits;
   float* __restrict__ o_accum;
   float* __restrict__ lse_accum;
-
-  // Packed rows on the persistent Hopper forward: its packed query blocks heaviest first (most key blocks), written
-  // by the call's first kernel (fwd_sm90/launch.cuh) into fwd_packed_order_entries() ints the caller allocates;
-  // nullptr = each sequence's blocks in turn.
-  int* __restrict__ packed_order;
 };
 
 // The Scores instance a call's params pick (FwdParams or BwdParams): run(std::integral_constant<Scores, S>{}).
@@ -343,13 +338,6 @@ bool use_sm90(const FwdParams& params);
 bool fwd_sm90_supports(const FwdParams& params);
 cudaError_t run_fwd_sm80(const FwdParams& params, cudaStream_t stream);
 cudaError_t run_fwd_sm90(const FwdParams& params, cudaStream_t stream);
-// Packed rows that the Hopper forward deals over persistent CTAs (fwd_sm90/launch.cuh): d128 without a window;
-// their 128-row blocks are ordered heaviest first (FwdParams::packed_order), 0 entries for every other call.
-constexpr int kFwdPackedSnakeHeadDim = 128, kFwdPackedSnakeBlockM = 128;
-inline bool fwd_sm90_packed_snake(const FwdParams& p) {
-  return p.cu_seqlens_q && p.d == kFwdPackedSnakeHeadDim && !p.seqused_k && p.window_left < 0 && p.window_right <= 0;
-}
-int64_t fwd_packed_order_entries(const FwdParams& params);
 
 // Decode against a KV cache (dense, seqused_k set): seqlen_q <= kDecodeMaxSeqlenQ query rows per
 // sequence, the h / h_k query heads of one KV head packed into one tile's rows.

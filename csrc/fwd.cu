@@ -21,11 +21,6 @@ bool fwd_sm90_supports(const FwdParams& p) {
          p.seqused_k == nullptr && p.leftpad_k == nullptr;
 }
 
-int64_t fwd_packed_order_entries(const FwdParams& p) {
-  const bool sm90 = use_sm90(p) && fwd_sm90_supports(p) && fwd_sm90_packed_snake(p);
-  return sm90 ? packed_blocks(p.total_q, p.b, kFwdPackedSnakeBlockM) : 0;
-}
-
 static __global__ void rel_bias_fill_kernel(const FwdParams p) {
   tile::grid_launch_dependents();  // the Hopper forward may start: it waits before its first bias read
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;

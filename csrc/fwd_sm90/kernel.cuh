@@ -54,7 +54,7 @@ struct FwdSm90Traits {
   static_assert(!kSnake || kPersistent_, "a deal of persistent CTAs");
   // Packed (varlen) rows: the one-tile kernels and the d128 snake (launch.cuh). Its tiles are (head, packed block)
   // (flash.h: packed_block0); the other persistent kernels are compiled without that search.
-  static constexpr bool kTakesPacked = !kPersistent_ || (kSnake_ && kHeadDim_ == kFwdPackedSnakeHeadDim);
+  static constexpr bool kTakesPacked = !kPersistent_ || (kSnake_ && kHeadDim_ == 128);
   using Snaked = FwdSm90Traits<kIsBf16_, kHeadDim_, kConsumers_, kPersistent_, kScores_, true>;  // launch.cuh's pick
   static_assert(kConsumers == 2 || (kConsumers == 3 && kHeadDim == 64 && !kPersistent_), "instantiated shapes");
   static constexpr int kThreads = (kConsumers + 1) * 128;  // + the producer warpgroup
@@ -102,63 +102,6 @@ struct TmaMaps {
   CUtensorMap q, k, v;
 };
 
-// A tile's problem (as in fwd/kernel.cuh); empty when its query block is past its sequence (varlen).
-struct Tile {
-  int head, batch, q_start, seqlen_q, k_start, seqlen_k, m0, m_last, n_block_min, n_block_max;
-  KeyWindow w;
-};
-// The tile of (head, batch) pair `pair` (dense) or head `pair` (packed) at query block `block`, a packed block when
-// varlen (flash.h: packed_block0).
-template <int kBlockM, int kBlockN>
-__device__ __forceinline__ Tile tile_problem(const FwdParams& p, bool varlen, int pair, int block) {
-  const int head = pair % p.h;
-  const int batch = varlen ? packed_block_seq(p.cu_seqlens_q, p.b, p.total_q, block, kBlockM) : pair / p.h;
-  const int2 rows_q = seq_rows(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
-  // Packed: a block before the first sequence's first (cu_seqlens_q[0] > 0, invalid) repeats that block.
-  const int m_block = varlen ? max(0, int(block - packed_block0(rows_q.x, batch, kBlockM))) : block;
-  const int2 keys = fwd::key_range(p, batch);
-  const KeyWindow w(p, rows_q.y, keys.y);
-  const int m0 = m_block * kBlockM, m_last = min(m0 + kBlockM, rows_q.y) - 1;
-  const int2 blocks = m0 < rows_q.y ? w.key_blocks(m0, m_last, kBlockN) : make_int2(0, 0);
-  return Tile{head, batch, rows_q.x, rows_q.y, keys.x, keys.y, m0, m_last, blocks.x, blocks.y, w};
-}
-
-// Packed rows on persistent CTAs: the snake deals tiles in a fixed order, and with each sequence's blocks in turn
-// (heaviest first within it) the busiest CTA ran 1.075x the mean (simulated, the benchmark's 8 documents at d128);
-// heaviest first across sequences, 1.008x. One CTA sorts the packed blocks by their key blocks (a counting sort,
-// descending; equal blocks in any order, which moves no result) into p.packed_order; the forward, launched as its
-// dependent, sets up under it and waits before its first tile. Works past `bins - 1` key blocks share the top bin.
-template <int kBlockM, int kBlockN>
-__global__ void __launch_bounds__(1024) packed_order_kernel(const __grid_constant__ FwdParams p, int blocks, int bins) {
-  extern __shared__ int bin_start[];  // per bin (heaviest first): its count, then its next free slot
-  tile::grid_launch_dependents();
-  auto bin_of = [&](int block) {
-    const Tile t = tile_problem<kBlockM, kBlockN>(p, true, 0, block);
-    return bins - 1 - min(max(t.n_block_max - t.n_block_min, 0), bins - 1);
-  };
-  for (int i = threadIdx.x; i < bins; i += blockDim.x) bin_start[i] = 0;
-  __syncthreads();
-  for (int block = threadIdx.x; block < blocks; block += blockDim.x) atomicAdd(&bin_start[bin_of(block)], 1);
-  __syncthreads();
-  if (threadIdx.x < 32) {  // exclusive prefix sum, 32 bins a step
-    int carry = 0;
-    for (int i0 = 0; i0 < bins; i0 += 32) {
-      const int i = i0 + int(threadIdx.x), n = i < bins ? bin_start[i] : 0;
-      int sum = n;
-      for (int d = 1; d < 32; d *= 2) {
-        const int up = __shfl_up_sync(0xffffffffu, sum, d);
-        if (int(threadIdx.x) >= d) sum += up;
-      }
-      if (i < bins) bin_start[i] = carry + sum - n;
-      carry += __shfl_sync(0xffffffffu, sum, 31);
-    }
-  }
-  __syncthreads();
-  for (int block = threadIdx.x; block < blocks; block += blockDim.x) {
-    p.packed_order[atomicAdd(&bin_start[bin_of(block)], 1)] = block;
-  }
-}
-
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ TmaMaps maps, int group) {
@@ -195,15 +138,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int first_tile = !kPersistent ? 0 : kSnake ? snaked.first() : folded.first();
   const int tiles = !kPersistent ? 1 : kSnake ? blocks * pairs : 2 * folded.couples * p.h * p.b;
   auto next_tile = [&](int tile) { return !kPersistent ? tiles : kSnake ? snaked.next(tile) : folded.next(tile); };
-  // Packed blocks heaviest first across sequences (packed_order_kernel) where the launch wrote their order.
-  const bool sorted = kPersistent && varlen && p.packed_order;
+  // A tile's problem (as in fwd/kernel.cuh); empty when its query block is past its sequence (varlen).
+  struct Tile {
+    int head, batch, q_start, seqlen_q, k_start, seqlen_k, m0, m_last, n_block_min, n_block_max;
+    KeyWindow w;
+  };
   auto tile_at = [&](int tile) {
     const sm90::SectionTile st = !kPersistent ? sm90::section_tile(pairs, blocks, group)
                                  : kSnake     ? snaked.at(tile)
                                               : folded.at(tile);
     // st.block 0: the last query block (a sequence's longest causal rows); -1: none. Varlen: the last sequence's.
-    const int block = sorted ? p.packed_order[st.block] : blocks - 1 - st.block;
-    return tile_problem<kBlockM, kBlockN>(p, varlen, st.pair, block);
+    const int block = blocks - 1 - st.block, head = st.pair % p.h;
+    const int batch = varlen ? packed_block_seq(p.cu_seqlens_q, p.b, p.total_q, block, kBlockM) : st.pair / p.h;
+    const int2 rows_q = seq_rows(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q);
+    // Packed: a block before the first sequence's first (cu_seqlens_q[0] > 0, invalid) repeats that block.
+    const int m_block = varlen ? max(0, int(block - packed_block0(rows_q.x, batch, kBlockM))) : block;
+    const int2 keys = fwd::key_range(p, batch);
+    const KeyWindow w(p, rows_q.y, keys.y);
+    const int m0 = m_block * kBlockM, m_last = min(m0 + kBlockM, rows_q.y) - 1;
+    const int2 blocks = m0 < rows_q.y ? w.key_blocks(m0, m_last, kBlockN) : make_int2(0, 0);
+    return Tile{head, batch, rows_q.x, rows_q.y, keys.x, keys.y, m0, m_last, blocks.x, blocks.y, w};
   };
 
   if (threadIdx.x == 0) {
@@ -220,7 +174,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     sm90::mbar_init_fence();
   }
   __syncthreads();
-  if (sorted) tile::grid_dependency_wait();  // the packed blocks' order is written (packed_order_kernel)
 
   // ---- producer: one thread issues every TMA load ------------------------------------------
   if (threadIdx.x < 128) {

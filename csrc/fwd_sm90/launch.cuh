@@ -57,20 +57,9 @@ cudaError_t launch_fwd_sm90(const FwdParams& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   err = allow_smem(kernel, Tr::kSmemBytes);
   if (err != cudaSuccess) return err;
-  // Packed rows on persistent CTAs: their blocks sorted heaviest first by a kernel of one CTA (kernel.cuh), in
-  // bins of key-block counts up to the longest sequence's (at most 48 KiB of them).
-  const bool sorted = packed && Tr::kPersistent && p.packed_order;
-  if (sorted) {
-    static_assert(!Tr::kPersistent || !Tr::kTakesPacked || Tr::kBlockM == kFwdPackedSnakeBlockM, "order's blocks");
-    const int bins = int(std::min<int64_t>((int64_t(p.seqlen_k) + Tr::kBlockN - 1) / Tr::kBlockN + 1, 12 * 1024));
-    fwd_sm90::packed_order_kernel<Tr::kBlockM, Tr::kBlockN><<<1, 1024, bins * sizeof(int), stream>>>(p, int(blocks), bins);
-    err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  // With a bias, the dependent of its table's fill (launch_rel_bias_fill), and of the packed order: set up and
-  // load under it.
-  return launch_kernel(kernel, grid, Tr::kThreads, Tr::kSmemBytes, stream,
-                       LaunchAttrs(p.rel_bias != nullptr || sorted), p, maps, group);
+  // With a bias, the dependent of its table's fill (launch_rel_bias_fill): set up and load under it.
+  return launch_kernel(kernel, grid, Tr::kThreads, Tr::kSmemBytes, stream, LaunchAttrs(p.rel_bias != nullptr), p,
+                       maps, group);
 }
 
 // d64 runs 192-row CTAs (three consumer warpgroups) except causal attention over at most 1k query rows, where
@@ -98,12 +87,11 @@ cudaError_t run_fwd_sm90_shape(const FwdParams& p, cudaStream_t stream) {
     if (linear_work && p.seqlen_k <= (kHeadDim == 64 && !causal ? kPersistentKeysD64Full : kPersistentKeys)) {
       return launch_fwd_sm90<Persistent>(p, stream);
     }
-    // Packed rows without a window at d128 (fwd_sm90_packed_snake): every (head, packed block), heaviest first, in
-    // a snake over persistent CTAs. Against one CTA a tile (same-process A/B, H100), 8 packed documents 1.022x at
-    // d128 (each sequence's blocks in turn), 0.970x at d64 (there the 192-row CTAs stay).
+    // Packed rows without a window at d128: every (head, packed block), each sequence's last first, in a snake
+    // over persistent CTAs. Against one CTA a tile (same-process A/B, H100), 8 packed documents 1.022x at d128,
+    // 0.970x at d64 (there the 192-row CTAs stay).
     if constexpr (Persistent::Snaked::kTakesPacked) {
-      static_assert(kHeadDim == kFwdPackedSnakeHeadDim, "fwd_sm90_packed_snake's head dim");
-      if (fwd_sm90_packed_snake(p)) {
+      if (p.cu_seqlens_q && !p.seqused_k && p.window_left < 0 && p.window_right <= 0) {
         return launch_fwd_sm90<typename Persistent::Snaked>(p, stream);
       }
     }
