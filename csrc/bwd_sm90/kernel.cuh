@@ -63,10 +63,11 @@ struct BwdSm90Traits {
   static constexpr int kColumns = kHeadDim;                      // of the tensors
   static constexpr int kBlockN = kDSplit ? 64 : 128, kBlockM = bwd::sm90_block_m(kHeadDim);
   static constexpr bool kDqBlocked = bwd::sm90_dq_blocked(kHeadDim);  // dQ in register order (bwd_config.h)
-  // The first add into a dQ block stores it (bwd_config.h: sm90_first_add_stores), claimed at d64. At d128 every
-  // key block of a causal pair reaches a query block at the same step, so they all waited on the claim: 0.91-0.95x
-  // (same-process A/B, H100: Llama 2 x 4096 / 1 x 16384, causal 16k, full 1k, packed), against 1.02-1.05x at d64
-  // 1k-2k; d128 keeps the zeroed accumulator outside deterministic mode.
+  // The first add into a dQ block stores it (bwd_config.h: sm90_first_add_stores), claimed at d64. At d128 the
+  // claim measured 0.91-0.95x (same-process A/B, H100: Llama 2 x 4096 / 1 x 16384, causal 16k, full 1k, packed)
+  // where d64 gained 1.02-1.05x at 1k-2k; its steps are half as long, and the claimer's wait for its store also
+  // waits for its earlier reductions (docs/design/backward-sm90.md). d128 keeps the zeroed accumulator outside
+  // deterministic mode.
   static constexpr bool kClaimFirstAdd = kDqBlocked && bwd::sm90_claims_first_add(kHeadDim);
   static_assert(!kDqBlocked || kBlockM * kD == bwd::kDqBlockFloats, "a dQ block is one query block");
   static constexpr int kDv = kDSplit ? kD / 2 : kD;  // columns of dK / dV a warpgroup holds
