@@ -30,8 +30,8 @@ constexpr int kDqBlockFloats = 128 * 64;
 // the D kernel then zeroes only the counters): in deterministic mode the order's first, and at d64 the first key
 // block whose tile is ready (a compare-and-swap claims the block, the others add once its store is complete).
 __host__ __device__ constexpr bool sm90_claims_first_add(int d) { return d == 64; }
-inline bool sm90_first_add_stores(const BwdParams& p) {
-  return sm90_dq_blocked(p.d) && (sm90_claims_first_add(p.d) || p.deterministic);
+__host__ __device__ constexpr bool sm90_first_add_stores(int d, bool deterministic) {
+  return sm90_dq_blocked(d) && (sm90_claims_first_add(d) || deterministic);
 }
 // Sequence b's first dQ block (`start`: its first row, as seq_rows gives it): dense b ceil(seqlen_q / M); varlen
 // its packed block (flash.h: packed_block0).
@@ -102,7 +102,7 @@ struct WorkspaceLayout {
       dq_copy_floats = std::max(dq_copy_floats, size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h * kDqBlockFloats);
     }
     counters_offset = dq_offset + align(sizeof(float) * dq_copy_floats * dq_copies(p));
-    counters = sm90_first_add_stores(p) ? size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h
+    counters = sm90_first_add_stores(p.d, p.deterministic) ? size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h
                : p.deterministic        ? size_t(p.b) * p.h * ((p.seqlen_q + kSm90BlockM - 1) / kSm90BlockM)
                                         : 0;
     bytes = counters_offset + align(sizeof(int) * counters);

@@ -233,11 +233,12 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it) {
         const int m = q_block(mi);
-        // A counter per accumulator block where the first add stores (bwd::sm90_first_add_stores): deterministic
-        // mode counts the adds, the claim (d64) has 0 untouched, 1 being stored, 2 stored. Else (d256, d512) a
-        // counter per (batch, head, query block) in deterministic mode only.
-        int* counter = Tr::kDqBlocked && (Tr::kClaimFirstAdd || ordered)
-                           ? dq_counters + (bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head
+        // Whole blocks (d64 / d128): block (query block, head) of the accumulator, and its counter where the first
+        // add stores (bwd::sm90_first_add_stores): deterministic mode counts the adds, the claim (d64) has 0
+        // untouched, 1 being stored, 2 stored. Else (d256, d512) a counter per (batch, head, query block) in
+        // deterministic mode only.
+        const int64_t acc_block = Tr::kDqBlocked ? (bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head : 0;
+        int* counter = bwd::sm90_first_add_stores(kHeadDim, ordered) ? dq_counters + acc_block
                        : ordered ? dq_counters + (int64_t(b) * p.h + head) * m_blocks + m
                                  : nullptr;
         bool store = false;
@@ -253,12 +254,12 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
             const int fill = it * Tr::kDqFills + k, slot = w * Tr::kWgSlots + fill % Tr::kWgSlots;
             sm90::mbar_wait(dq_full(slot), (fill / Tr::kWgSlots) & 1);
             if constexpr (Tr::kDqBlocked) {  // the whole block, in the consumers' order, with one bulk copy
-              static_assert(!Tr::kDqBlocked || (Tr::kDqFills == 1 && Tr::kDqOwners == 1), "one fill a block");
+              static_assert(Tr::kDqFills == 1 && Tr::kDqOwners == 1, "one fill a block");
               if (Tr::kClaimFirstAdd && !ordered) {  // claimed by the first key block whose tile is ready
                 store = atomicCAS(counter, 0, 1) == 0;
                 if (!store) sm90::counter_wait</*kAtLeast=*/true>(counter, 2);
               }
-              float* dst = dq_acc + ((bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head) * bwd::kDqBlockFloats;
+              float* dst = dq_acc + acc_block * bwd::kDqBlockFloats;
               if (store) sm90::bulk_store(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
               else sm90::bulk_reduce_add_f32(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
             } else {
