@@ -127,6 +127,30 @@ struct BwdSm90Traits {
 
 // TMA maps of q, dout, dq_acc (boxes of kBlockM rows) and k, v (kBlockN rows): dims (d, heads, rows, batch),
 // 128-byte boxes (launch.cuh makes them; varlen tensors are one batch of total rows).
+// A CTA's walk over its (query head, query block) pairs: the group's heads outer, the key block's query blocks
+// inner (the bias's gradient sums one head at a time), first block first; deterministic d128 (`down`) walks the
+// blocks last first with the heads inner, so every key block of a pair reaches (head, m) at the same step whatever
+// its count of query blocks. With the heads outer, a causal pair's lighter key blocks finished a head sooner and
+// waited at the next one for the heavier blocks before them in the order, holding their SMs.
+template <bool kMayWalkDown>
+struct QueryWalk {
+  int head, mi;                         // the pair: query head, index among the key block's query blocks
+  int head0, head_end, m_begin, m_count;
+  bool walk_down;
+  __device__ __forceinline__ bool down() const { return kMayWalkDown && walk_down; }
+  __device__ __forceinline__ int m() const { return m_begin + (down() ? m_count - 1 - mi : mi); }
+  __device__ __forceinline__ bool ends_head() const { return !down() && mi + 1 == m_count; }  // the head's last pair
+  __device__ __forceinline__ void next() {
+    if (down()) {
+      head = head + 1 < head_end ? head + 1 : head0;
+      mi += head == head0;
+    } else {
+      mi = mi + 1 < m_count ? mi + 1 : 0;
+      head += mi == 0;
+    }
+  }
+};
+
 struct TmaMaps {
   CUtensorMap q, dout, k, v, dq_acc;
 };
@@ -171,7 +195,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // Deterministic mode (a counter per (query block, head) in dq_counters) orders the dQ additions into a
   // query block by key block, in the order the grid starts the key blocks, so a CTA only ever waits for CTAs that
   // started before it. d128 adds in ascending order (the grid's own, heaviest causal blocks first), each key block
-  // walking its query blocks last first: every key block of a causal pair reaches query block m at the same step.
+  // walking its query blocks last first, heads inner (QueryWalk): every key block of a pair reaches (head, m) at the
+  // same step.
   // d64 and d256 add in descending order with the grid reversed, walking up from the diagonal: each key block reaches
   // m one step after the one it waits for, which measured 2-5% faster than ascending at causal d64 shapes
   // (docs/design/backward-sm90.md).
@@ -187,8 +212,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
   // (The bias's gradient is never deterministic, binding.cpp: its kernel keeps the ascending walk and a register.)
   const bool walk_down = kAscendingAdds && !kRelBias && ordered;
-  auto q_block = [&](int mi) { return kb.m_begin + (walk_down ? kb.m_count - 1 - mi : mi); };
-  const int iters = groups * kb.m_count;  // (query head, query block) pairs: heads outer, blocks inner
+  const int iters = groups * kb.m_count;  // (query head, query block) pairs
+  const QueryWalk<kAscendingAdds && !kRelBias> walk0{hk * groups, 0, hk * groups, hk * groups + groups, kb.m_begin, kb.m_count, walk_down};
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
   // below).
   float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kRel);
@@ -227,12 +252,12 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       tile::grid_dependency_wait();  // the accumulator was zeroed before the prologue's kernels
       // Rows past a dense batch's seqlen_q fall outside the map (dropped); varlen rows past a sequence add 0.
       const int row0 = p.cu_seqlens_q ? seq.ws0 : 0;
-      int head = hk * groups, mi = 0;
+      auto walk = walk0;
       const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;  // per (batch, head) in the d256 counters
       int pending = -1;  // kWgSlots > 1: the slot of the newest reduction, released after the next one's issue
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
-      for (int it = 0; it < iters; ++it) {
-        const int m = q_block(mi);
+      for (int it = 0; it < iters; ++it, walk.next()) {
+        const int m = walk.m(), head = walk.head;
         // Whole blocks (d64 / d128): block (query block, head) of the accumulator, and its counter where the first
         // add stores (bwd::sm90_first_add_stores): deterministic mode counts the adds, the claim (d64) has 0
         // untouched, 1 being stored, 2 stored. Else (d256, d512) a counter per (batch, head, query block) in
@@ -288,8 +313,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
           pending = -1;
           sm90::counter_release_inc(counter);
         }
-        mi = mi + 1 < kb.m_count ? mi + 1 : 0;
-        head += mi == 0;
       }
       sm90::bulk_wait<0>();  // the additions are done before the thread exits
     }
@@ -304,10 +327,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       }
     }
     tile::grid_dependency_wait();  // D (the prologue's dot_do_o_kernel) is read below; K / V load meanwhile
-    int head = hk * groups, mi = 0;
+    auto walk = walk0;
 #pragma unroll 1
-    for (int it = 0; it < iters; ++it) {
-      const int st = int(unsigned(it) % kStages), m0 = q_block(mi) * kBlockM;  // it >= 0: no sign fix-up
+    for (int it = 0; it < iters; ++it, walk.next()) {
+      const int st = int(unsigned(it) % kStages), m0 = walk.m() * kBlockM, head = walk.head;  // it >= 0: unsigned %
       // This block's LSE and D rows, loaded before the stage is free (rows past the end read as 0; they are masked).
       const float* lse = p.lse + (p.cu_seqlens_q ? head * p.lse_head_stride + seq.q0
                                                  : b * p.lse_batch_stride + head * p.lse_head_stride);
@@ -348,8 +371,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
           }
         }
       }
-      mi = mi + 1 < kb.m_count ? mi + 1 : 0;
-      head += mi == 0;
     }
     return;
   }
@@ -380,7 +401,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   const bool dq_swap = g & 1;
   const uint32_t dq_x =
       (sDq + (row0_dq + 16 * warp + g) * 128 + (((t / 2) ^ g) << 4) + (t % 2) * 8) ^ (dq_swap << 6);
-  int head = hk * groups, mi = 0;  // of iteration it
+  auto walk = walk0;  // at iteration it
   sm90::mbar_wait(kv_full, 0);     // also: no TMA lands after the CTA (iters == 0)
 
   // d512: S^T (or dP^T) = this CTA's partial over its 256 columns + the peer's. Exchange k (two a step: S^T, then
@@ -432,7 +453,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     [[maybe_unused]] int sat_col = -1;
     [[maybe_unused]] float sat_bias2 = 0.f;  // log2 units
     if constexpr (kRelBias) {
-      const RelBias rb(p, head, seq.sq, seq.sk);
+      const RelBias rb(p, walk.head, seq.sq, seq.sk);
       sat_col = rb.block_column(m0, m0 + kBlockM - 1, key0 - g, key0 - g + 15);
       if (sat_col >= 0) sat_bias2 = bwd::kLog2e * __ldg(rb.table + sat_col);
     }
@@ -561,7 +582,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // The pointwise passes are straight-line code, the bias's a compile-time variant (kRelBias): a branch on it inside
     // the unrolled loops cut them into basic blocks the scheduler could not interleave (1.25x the d64 backward's
     // time; 3% at d128).
-    RelGrad rel(s_rel, p, head, seq, 1.f / p.softmax_scale);  // this warp's 16 keys
+    RelGrad rel(s_rel, p, walk.head, seq, 1.f / p.softmax_scale);  // this warp's 16 keys
     if constexpr (kRelBias) rel.begin(p, s_rel, tid / 32, key0 - g, m0, g, t);
     // One-column warps (sat_col >= 0) take warp-uniform branches around the loops only: the waits and wgmmas stay
     // on one path.
@@ -735,18 +756,16 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     sm90::mbar_arrive(empty(st));  // this thread's wgmmas on stage st and its LSE / D reads are done
     // This head's one-column warps' totals. The sums are drel_bias itself (kRelSumsInGmem), so there is nothing
     // to flush.
-    if (kRelBias && mi + 1 == kb.m_count) {
+    if (kRelBias && walk.ends_head()) {
       rel.add_block(0, sat_lo);
       rel.add_block(rel.rb.width - 1, sat_hi);
       sat_lo = sat_hi = 0.f;
     }
   };
-  for (int it = 0; it < iters; ++it) {
-    const int m0 = q_block(mi) * kBlockM;
+  for (int it = 0; it < iters; ++it, walk.next()) {
+    const int m0 = walk.m() * kBlockM;
     if (w.covers(m0, m0 + kBlockM - 1, n0, n0 + kBlockN - 1)) step(it, m0, std::false_type{});
     else step(it, m0, std::true_type{});
-    mi = mi + 1 < kb.m_count ? mi + 1 : 0;
-    head += mi == 0;
   }
 
   tile::grid_launch_dependents();  // the convert kernel's CTAs may take the SMs of CTAs that finish (it waits)
