@@ -255,7 +255,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       auto walk = walk0;
       const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;  // per (batch, head) in the d256 counters
       int pending = -1;  // kWgSlots > 1: the slot of the newest reduction, released after the next one's issue
-      int* held = nullptr;  // the claim: a stored block's counter, released once the next block's add is issued
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it, walk.next()) {
         const int m = walk.m(), head = walk.head;
@@ -283,14 +282,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
               static_assert(Tr::kDqFills == 1 && Tr::kDqOwners == 1, "one fill a block");
               if (Tr::kClaimFirstAdd && !ordered) {  // claimed by the first key block whose tile is ready
                 store = atomicCAS(counter, 0, 1) == 0;
-                if (!store) {  // never wait while holding a claim: the holder of this one may wait for it
-                  if (held) {
-                    sm90::bulk_wait<0>();
-                    sm90::counter_release_inc(held);
-                    held = nullptr;
-                  }
-                  sm90::counter_wait</*kAtLeast=*/true>(counter, 2);
-                }
+                if (!store) sm90::counter_wait</*kAtLeast=*/true>(counter, 2);
               }
               float* dst = dq_acc + acc_block * bwd::kDqBlockFloats;
               if (store) sm90::bulk_store(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
@@ -315,13 +307,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
             }
           }
         }
-        if (Tr::kClaimFirstAdd && !ordered) {  // the block before is stored once all but this add are complete
-          if (held) {
-            sm90::bulk_wait<1>();
-            sm90::counter_release_inc(held);
-          }
-          held = store ? counter : nullptr;
-        } else if (ordered || store) {
+        if (ordered || store) {
           sm90::bulk_wait<0>();  // the additions (or the store) are done: the next key block may add
           if (pending >= 0) sm90::mbar_arrive(dq_empty(pending));
           pending = -1;
@@ -329,7 +315,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
         }
       }
       sm90::bulk_wait<0>();  // the additions are done before the thread exits
-      if (held) sm90::counter_release_inc(held);
     }
     if (threadIdx.x >= 32) return;
     const int lane = threadIdx.x;
