@@ -30,9 +30,6 @@ constexpr int kDqBlockFloats = 128 * 64;
 // the D kernel then zeroes only the counters): in deterministic mode the order's first, and at d64 the first key
 // block whose tile is ready (a compare-and-swap claims the block, the others add once its store is complete).
 __host__ __device__ constexpr bool sm90_claims_first_add(int d) { return d == 64; }
-// Deterministic mode adds a block in kDqOrderPieces contiguous pieces, a counter each ([piece][block, head]), so
-// the next key block in the order starts on piece 0 while the later pieces are still being added.
-constexpr int kDqOrderPieces = 4;
 __host__ __device__ constexpr bool sm90_first_add_stores(int d, bool deterministic) {
   return sm90_dq_blocked(d) && (sm90_claims_first_add(d) || deterministic);
 }
@@ -41,7 +38,7 @@ __host__ __device__ constexpr bool sm90_first_add_stores(int d, bool determinist
 __host__ __device__ inline int64_t dq_block0(const BwdParams& p, int b, int start, int block_m) {
   return p.cu_seqlens_q ? packed_block0(start, b, block_m) : int64_t(b) * ((p.seqlen_q + block_m - 1) / block_m);
 }
-__host__ __device__ inline int64_t dq_blocks(const BwdParams& p, int block_m) {
+inline int64_t dq_blocks(const BwdParams& p, int block_m) {
   return p.cu_seqlens_q ? packed_blocks(p.total_q, p.b, block_m) : int64_t(p.b) * ((p.seqlen_q + block_m - 1) / block_m);
 }
 
@@ -105,8 +102,7 @@ struct WorkspaceLayout {
       dq_copy_floats = std::max(dq_copy_floats, size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h * kDqBlockFloats);
     }
     counters_offset = dq_offset + align(sizeof(float) * dq_copy_floats * dq_copies(p));
-    counters = sm90_first_add_stores(p.d, p.deterministic)
-                   ? size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h * (p.deterministic ? kDqOrderPieces : 1)
+    counters = sm90_first_add_stores(p.d, p.deterministic) ? size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h
                : p.deterministic        ? size_t(p.b) * p.h * ((p.seqlen_q + kSm90BlockM - 1) / kSm90BlockM)
                                         : 0;
     bytes = counters_offset + align(sizeof(int) * counters);

@@ -151,15 +151,6 @@ struct QueryWalk {
   }
 };
 
-// Deterministic whole blocks (kernel.cuh, producer): the pieces' bulk groups are this thread's newest; releases
-// piece kPieces - 1 - kNewer's counter once all but the kNewer newest groups are complete, then the next piece's.
-template <int kNewer>
-__device__ __forceinline__ void release_pieces(int* counter, int piece_counters) {
-  sm90::bulk_wait<kNewer>();
-  sm90::counter_release_inc(counter + (bwd::kDqOrderPieces - 1 - kNewer) * piece_counters);
-  if constexpr (kNewer > 0) release_pieces<kNewer - 1>(counter, piece_counters);
-}
-
 struct TmaMaps {
   CUtensorMap q, dout, k, v, dq_acc;
 };
@@ -264,7 +255,6 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       auto walk = walk0;
       const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;  // per (batch, head) in the d256 counters
       int pending = -1;  // kWgSlots > 1: the slot of the newest reduction, released after the next one's issue
-      const int piece_counters = Tr::kDqBlocked ? int(bwd::dq_blocks(p, kBlockM)) * p.h : 0;  // [piece][block, head]
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it, walk.next()) {
         const int m = walk.m(), head = walk.head;
@@ -277,11 +267,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
                        : ordered ? dq_counters + (int64_t(b) * p.h + head) * m_blocks + m
                                  : nullptr;
         bool store = false;
-        int before = 0;
         if (ordered) {  // deterministic: wait for the adds of the key blocks before this one in the order
-          before = kAscendingAdds ? n_block - bwd::first_key_block<kBlockN, kBlockM>(p, seq, m)
-                                  : bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block;
-          if (!Tr::kDqBlocked) sm90::counter_wait(counter, before);  // whole blocks: each piece's, below
+          const int before = kAscendingAdds ? n_block - bwd::first_key_block<kBlockN, kBlockM>(p, seq, m)
+                                            : bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block;
+          sm90::counter_wait(counter, before);
           store = Tr::kDqBlocked && before == 0;
         }
         // Fill k of owner w's ring (d256: warpgroup w's columns 128 w + 32 k ..; else the whole tile).
@@ -296,20 +285,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
                 if (!store) sm90::counter_wait</*kAtLeast=*/true>(counter, 2);
               }
               float* dst = dq_acc + acc_block * bwd::kDqBlockFloats;
-              if (ordered) {  // piece q once the key block before has added its piece q: a bulk group each
-                constexpr int kPieceBytes = Tr::kDqSlotBytes / bwd::kDqOrderPieces;
-#pragma unroll
-                for (int q = 0; q < bwd::kDqOrderPieces; ++q) {
-                  sm90::counter_wait(counter + q * piece_counters, before);
-                  const uint32_t src = sDq + slot * Tr::kDqSlotBytes + q * kPieceBytes;
-                  if (store) sm90::bulk_store(dst + q * kPieceBytes / 4, src, kPieceBytes);
-                  else sm90::bulk_reduce_add_f32(dst + q * kPieceBytes / 4, src, kPieceBytes);
-                  if (q + 1 < bwd::kDqOrderPieces) sm90::bulk_commit();
-                }
-              } else {
-                if (store) sm90::bulk_store(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
-                else sm90::bulk_reduce_add_f32(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
-              }
+              if (store) sm90::bulk_store(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
+              else sm90::bulk_reduce_add_f32(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
             } else {
               const int col0 = col_base + (Tr::kDSplit ? Tr::kDv * w + Tr::kDqSlotCols * k : 0);
               for (int panel = 0; panel < Tr::kDqSlotCols / 32; ++panel) {
@@ -330,9 +307,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
             }
           }
         }
-        if (Tr::kDqBlocked && ordered) {  // each piece's counter once its group is complete, oldest first
-          release_pieces<bwd::kDqOrderPieces - 1>(counter, piece_counters);
-        } else if (ordered || store) {
+        if (ordered || store) {
           sm90::bulk_wait<0>();  // the additions (or the store) are done: the next key block may add
           if (pending >= 0) sm90::mbar_arrive(dq_empty(pending));
           pending = -1;
