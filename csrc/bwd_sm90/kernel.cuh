@@ -86,6 +86,10 @@ struct BwdSm90Traits {
   static constexpr int kDqPieces = kDSplit ? 2 : 1, kDqOwners = kDSplit ? 2 : 1, kWgSlots = kDSplit ? 3 - kCluster : 1;
   static constexpr int kDqSlotCols = kDSplit ? 32 : kD, kFillsPerPiece = kDSplit ? 64 / kDqSlotCols : 1;
   static constexpr int kDqSlots = kDqOwners * kWgSlots, kDqFills = kDqPieces * kFillsPerPiece;  // fills a step
+  // Whole blocks: two reducer threads (lane 0 of warps 1 and 2) take the steps in turn, each with its own pair of
+  // slot barriers, so one waits for its reduction to complete (deterministic order, the claim) while the other
+  // already adds the next tile.
+  static constexpr int kReducers = kDqBlocked ? 2 : 1, kDqBars = kDqSlots * kReducers;
   static_assert(kBlockM * kD == 2 * kDqPieces * 64 * 64, "64 x 64 pieces of dQ per warpgroup");
   // One pointwise pass after both S^T and dP^T: each element's P^T and dS^T packed into fragments as its fp32 values
   // die, so the peak is S^T + dP^T + dK + dV (192 registers at d64 x 128 rows; P^T fragments live beside all four
@@ -112,7 +116,7 @@ struct BwdSm90Traits {
   static constexpr int kDStBytes = kBlockN * kBlockM * 2, kDqSlotBytes = kBlockM * kDqSlotCols * 4;
   static constexpr int kXBytes = kCluster ? kBlockN * kBlockM * 4 : 0;  // d512: the peer's partial S^T or dP^T
   static constexpr int kRowBytes = kBlockM * 4;
-  static constexpr int kBarCount = 1 + 2 * kStages + 2 * kDqSlots + 2 * kOneDoStage + 2 * kCluster;
+  static constexpr int kBarCount = 1 + 2 * kStages + 2 * kDqBars + 2 * kOneDoStage + 2 * kCluster;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kQBytes,
                        kDSt = kDO + kDoStages * kQBytes, kDq = kDSt + kDStBuffers * kDStBytes,
                        kX = kDq + kDqSlots * kDqSlotBytes,
@@ -179,7 +183,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // dQ slot w's barriers; with one dO stage, its pair after them.
   auto dq_full = [&](int w) { return kv_full + 8 * (1 + 2 * kStages + 2 * w); };
   auto dq_empty = [&](int w) { return dq_full(w) + 8; };
-  const uint32_t do_full = dq_full(Tr::kDqSlots), do_empty = do_full + 8, sDq = base + Tr::kDq;
+  const uint32_t do_full = dq_full(Tr::kDqBars), do_empty = do_full + 8, sDq = base + Tr::kDq;
   // d512: the buffer the peer CTA's partials arrive in (x_full: its bytes; x_empty: the peer has read this CTA's).
   const uint32_t sX = base + Tr::kX, x_full = do_empty + 8, x_empty = x_full + 8;
 
@@ -226,7 +230,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       sm90::mbar_init(full(st), 32);
       sm90::mbar_init(empty(st), Tr::kConsumerThreads);
     }
-    for (int w = 0; w < Tr::kDqSlots; ++w) {
+    for (int w = 0; w < Tr::kDqBars; ++w) {
       sm90::mbar_init(dq_full(w), Tr::kConsumerThreads / Tr::kDqOwners);
       sm90::mbar_init(dq_empty(w), 1);
     }
@@ -248,7 +252,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   if (threadIdx.x < 128) {
     sm90::regs_dealloc<Tr::kProducerRegs>();
     const int tma_b = p.cu_seqlens_q ? 0 : b;
-    if (threadIdx.x == 32) {
+    const int reducer = threadIdx.x / 32 - 1;  // of the lanes 0 of warps 1 .. kReducers
+    if (threadIdx.x % 32 == 0 && reducer >= 0 && reducer < Tr::kReducers) {
       tile::grid_dependency_wait();  // the accumulator was zeroed before the prologue's kernels
       // Rows past a dense batch's seqlen_q fall outside the map (dropped); varlen rows past a sequence add 0.
       const int row0 = p.cu_seqlens_q ? seq.ws0 : 0;
@@ -257,6 +262,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       int pending = -1;  // kWgSlots > 1: the slot of the newest reduction, released after the next one's issue
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it, walk.next()) {
+        if (it % Tr::kReducers != reducer) continue;  // the other reducer's step
         const int m = walk.m(), head = walk.head;
         // Whole blocks (d64 / d128): block (query block, head) of the accumulator, and its counter where the first
         // add stores (bwd::sm90_first_add_stores): deterministic mode counts the adds, the claim (d64) has 0
@@ -277,7 +283,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
         for (int k = 0; k < Tr::kDqFills; ++k) {
           for (int w = 0; w < Tr::kDqOwners; ++w) {
             const int fill = it * Tr::kDqFills + k, slot = w * Tr::kWgSlots + fill % Tr::kWgSlots;
-            sm90::mbar_wait(dq_full(slot), (fill / Tr::kWgSlots) & 1);
+            const int bar = Tr::kReducers > 1 ? reducer : slot;  // whole blocks: one slot, the reducer's barriers
+            sm90::mbar_wait(dq_full(bar), (fill / (Tr::kWgSlots * Tr::kReducers)) & 1);
             if constexpr (Tr::kDqBlocked) {  // the whole block, in the consumers' order, with one bulk copy
               static_assert(Tr::kDqFills == 1 && Tr::kDqOwners == 1, "one fill a block");
               if (Tr::kClaimFirstAdd && !ordered) {  // claimed by the first key block whose tile is ready
@@ -303,7 +310,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
               pending = slot;
             } else {  // one slot: free it now (the consumers' next fill waits for it)
               sm90::bulk_wait_read<0>();
-              sm90::mbar_arrive(dq_empty(slot));
+              sm90::mbar_arrive(dq_empty(bar));
             }
           }
         }
@@ -711,7 +718,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     constexpr int kFillJ = 8 / Tr::kFillsPerPiece;
     auto store_dq = [&](int f, int j0) {
       const int slot = dq_owner * Tr::kWgSlots + f % Tr::kWgSlots;
-      if (f >= Tr::kWgSlots) sm90::mbar_wait(dq_empty(slot), (f / Tr::kWgSlots - 1) & 1);
+      if constexpr (Tr::kReducers > 1) {  // one slot: free once fill f - 1's reducer (f - 1 in turn) has read it
+        if (f >= 1) sm90::mbar_wait(dq_empty((f - 1) % Tr::kReducers), ((f - 1) / Tr::kReducers) & 1);
+      } else if (f >= Tr::kWgSlots) {
+        sm90::mbar_wait(dq_empty(slot), (f / Tr::kWgSlots - 1) & 1);
+      }
       if constexpr (Tr::kDqBlocked) {  // this warpgroup's half: its thread i's chunk j at (128 j + i) x 16 bytes
         const uint32_t piece = sDq + slot * Tr::kDqSlotBytes + wg * (Tr::kDqSlotBytes / 2) + (threadIdx.x % 128) * 16;
 #pragma unroll
@@ -720,7 +731,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
                                                               __float_as_uint(dq[j][2]), __float_as_uint(dq[j][3])));
         }
         sm90::fence_proxy_async();
-        sm90::mbar_arrive(dq_full(slot));
+        sm90::mbar_arrive(dq_full(Tr::kReducers > 1 ? f % Tr::kReducers : slot));
         return;
       }
       const uint32_t x0 = dq_x + slot * Tr::kDqSlotBytes;  // slots are 1024-byte multiples: dq_x's XOR holds
