@@ -86,9 +86,10 @@ struct BwdSm90Traits {
   static constexpr int kDqPieces = kDSplit ? 2 : 1, kDqOwners = kDSplit ? 2 : 1, kWgSlots = kDSplit ? 3 - kCluster : 1;
   static constexpr int kDqSlotCols = kDSplit ? 32 : kD, kFillsPerPiece = kDSplit ? 64 / kDqSlotCols : 1;
   static constexpr int kDqSlots = kDqOwners * kWgSlots, kDqFills = kDqPieces * kFillsPerPiece;  // fills a step
-  // Whole blocks: two reducer threads (lane 0 of warps 1 and 2) take the steps in turn, each with its own pair of
-  // slot barriers, so one waits for its reduction to complete (deterministic order, the claim) while the other
-  // already adds the next tile.
+  // Whole blocks: the steps' fills alternate between two pairs of slot barriers, so that in deterministic mode two
+  // reducer threads (lane 0 of warps 1 and 2) take the steps in turn: one waits for its reduction to complete (the
+  // order's release) while the other already adds the next tile. Else one reducer takes both (a second measured
+  // 0.99x at d128).
   static constexpr int kReducers = kDqBlocked ? 2 : 1, kDqBars = kDqSlots * kReducers;
   static_assert(kBlockM * kD == 2 * kDqPieces * 64 * 64, "64 x 64 pieces of dQ per warpgroup");
   // One pointwise pass after both S^T and dP^T: each element's P^T and dS^T packed into fragments as its fp32 values
@@ -252,8 +253,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   if (threadIdx.x < 128) {
     sm90::regs_dealloc<Tr::kProducerRegs>();
     const int tma_b = p.cu_seqlens_q ? 0 : b;
-    const int reducer = threadIdx.x / 32 - 1;  // of the lanes 0 of warps 1 .. kReducers
-    if (threadIdx.x % 32 == 0 && reducer >= 0 && reducer < Tr::kReducers) {
+    const int reducer = threadIdx.x / 32 - 1, reducers = ordered ? Tr::kReducers : 1;  // lanes 0 of warps 1, 2
+    if (threadIdx.x % 32 == 0 && reducer >= 0 && reducer < reducers) {
       tile::grid_dependency_wait();  // the accumulator was zeroed before the prologue's kernels
       // Rows past a dense batch's seqlen_q fall outside the map (dropped); varlen rows past a sequence add 0.
       const int row0 = p.cu_seqlens_q ? seq.ws0 : 0;
@@ -262,7 +263,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       int pending = -1;  // kWgSlots > 1: the slot of the newest reduction, released after the next one's issue
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it, walk.next()) {
-        if (it % Tr::kReducers != reducer) continue;  // the other reducer's step
+        if (it % reducers != reducer) continue;  // the other reducer's step
         const int m = walk.m(), head = walk.head;
         // Whole blocks (d64 / d128): block (query block, head) of the accumulator, and its counter where the first
         // add stores (bwd::sm90_first_add_stores): deterministic mode counts the adds, the claim (d64) has 0
@@ -283,7 +284,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
         for (int k = 0; k < Tr::kDqFills; ++k) {
           for (int w = 0; w < Tr::kDqOwners; ++w) {
             const int fill = it * Tr::kDqFills + k, slot = w * Tr::kWgSlots + fill % Tr::kWgSlots;
-            const int bar = Tr::kReducers > 1 ? reducer : slot;  // whole blocks: one slot, the reducer's barriers
+            const int bar = Tr::kReducers > 1 ? fill % Tr::kReducers : slot;  // whole blocks: one slot, two pairs
             sm90::mbar_wait(dq_full(bar), (fill / (Tr::kWgSlots * Tr::kReducers)) & 1);
             if constexpr (Tr::kDqBlocked) {  // the whole block, in the consumers' order, with one bulk copy
               static_assert(Tr::kDqFills == 1 && Tr::kDqOwners == 1, "one fill a block");
