@@ -10,8 +10,9 @@
 //             (0 past the sequence) into the stage, scaled as the pointwise code takes them. A stage's "full"
 //             mbarrier completes with the TMA bytes and the 32 lanes' arrivals, its "empty" one with the 256
 //             consumer threads' arrivals once their last wgmma on it has retired. Warp 1, one lane: adds the dQ
-//             tile to the fp32 accumulator with kD / 32 TMA reductions (cp.reduce.async.bulk.tensor) once its
-//             dq_full mbarrier completes, then releases it (dq_empty).
+//             tile to the fp32 accumulator (d64 / d128: one bulk reduction of the whole block; else kD / 32 TMA
+//             reductions, cp.reduce.async.bulk.tensor) once its dq_full mbarrier completes, then releases it
+//             (dq_empty); in deterministic mode at d64 / d128, lane 0 of warp 2 takes every other step.
 //   consumers (240 registers): warpgroup w owns keys 64w..64w+63. Per query block of kBlockM rows (d128 64,
 //   d64 128):
 //     S^T = K Q^T, dP^T = V dO^T             wgmma, both operands from smem
@@ -218,7 +219,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // (The bias's gradient is never deterministic, binding.cpp: its kernel keeps the ascending walk and a register.)
   const bool walk_down = kAscendingAdds && !kRelBias && ordered;
   const int iters = groups * kb.m_count;  // (query head, query block) pairs
-  const QueryWalk<kAscendingAdds && !kRelBias> walk0{hk * groups, 0, hk * groups, hk * groups + groups, kb.m_begin, kb.m_count, walk_down};
+  const int head0 = hk * groups;
+  using Walk = QueryWalk<kAscendingAdds && !kRelBias>;
+  const Walk walk0{head0, 0, head0, head0 + groups, kb.m_begin, kb.m_count, walk_down};
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
   // below).
   float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kRel);
@@ -249,7 +252,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   if constexpr (Tr::kCluster) sm90::cluster_sync();  // both CTAs' barriers initialised before any remote access
   else __syncthreads();
 
-  // ---- producer: warp 0 loads, one lane of warp 1 adds the dQ tiles ----------------------------------------
+  // ---- producer: warp 0 loads, lane 0 of warp 1 (deterministic d64 / d128: and of warp 2) adds the dQ tiles --
   if (threadIdx.x < 128) {
     sm90::regs_dealloc<Tr::kProducerRegs>();
     const int tma_b = p.cu_seqlens_q ? 0 : b;
