@@ -90,8 +90,8 @@ struct BwdSm90Traits {
   // Whole blocks: the steps' fills alternate between two pairs of slot barriers, so that in deterministic mode two
   // reducer threads (lane 0 of warps 1 and 2) take the steps in turn: one waits for its reduction to complete (the
   // order's release) while the other already adds the next tile. Else one reducer takes both (a second measured
-  // 0.99x at d128).
-  static constexpr int kReducers = kDqBlocked ? 2 : 1, kDqBars = kDqSlots * kReducers;
+  // 0.99x at d128). The bias kernel is never deterministic: one pair (its d64 instance spilled 8 bytes more).
+  static constexpr int kReducers = kDqBlocked && !kRelBias ? 2 : 1, kDqBars = kDqSlots * kReducers;
   static_assert(kBlockM * kD == 2 * kDqPieces * 64 * 64, "64 x 64 pieces of dQ per warpgroup");
   // One pointwise pass after both S^T and dP^T: each element's P^T and dS^T packed into fragments as its fp32 values
   // die, so the peak is S^T + dP^T + dK + dV (192 registers at d64 x 128 rows; P^T fragments live beside all four
