@@ -9,7 +9,8 @@
 # Each pass also writes $OUT/rows_<pass>.csv in benchmarks/results.csv's columns (bench "kernel_ab <pass>": per
 # case and build the median ms of hf_flash, of its deterministic mode, and of cuDNN in that build's processes),
 # commit = the build's label from AB_LABELS ("new=7f76717+wip base=e86f799"; the device copy has no git), else
-# its name; append them to results.csv.
+# its name; append them to results.csv. The table and the rows come from tools/kernel_ab_summary.py, which also
+# records an ab_<pass>.csv brought back from the device (its docstring).
 #   VARIANTS="base" bash tools/kernel_ab.sh
 # PASS=fwd times the forward instead (and runs the forward kernel tests), PASS="bwd fwd" both from the same builds
 # (ab_bwd.csv, ab_fwd.csv); HF_FLASH_DISABLE_SM90=1 times the mma.sync kernels; AB_SUSTAIN=1.6 times each call for
@@ -51,47 +52,5 @@ for pass in $PASS; do
   done
   stamp "a/b $pass done"
   echo "== $pass"
-  PYTHONPATH=$ROOT AB_PASS=$pass AB_ROWS="$OUT/rows_$pass.csv" python3 - "$OUT/ab_$pass.csv" $VARIANTS <<'PY'
-import collections, os, statistics, sys
-# (case, build, backend) -> its times in process order; each process times cuDNN after its build's case
-own = collections.defaultdict(list)
-for line in open(sys.argv[1]):
-    tag, case, backend, ms, _ = line.strip().split(",")
-    own[(case, tag, backend)].append(float(ms))
-t = collections.defaultdict(list)  # (case, column): a build, "<build> det" or cudnn (every process's)
-for (case, tag, backend), times in own.items():
-    t[(case, {"hf_flash": tag, "det": tag + " det"}.get(backend, backend))] += times
-builds = ["new", *sys.argv[2:]]
-dets = [x + " det" for x in builds if any(k[1] == x + " det" for k in t)]
-med = lambda case, x: statistics.median(t[(case, x)])
-cols = builds + dets + ["cudnn"]
-def normed(case, x):  # median over rounds of (x / its cuDNN) / (new / its cuDNN)
-    r = [(a / ca) / (n / cn) for a, ca, n, cn in zip(own[(case, x, "hf_flash")], own[(case, x, "cudnn")],
-                                                       own[(case, "new", "hf_flash")], own[(case, "new", "cudnn")])]
-    return statistics.median(r) if r else float("nan")
-print(f"{'case':18} " + " ".join(f"{x:>9}" for x in cols) + " "
-      + " ".join(f"{'new/' + x:>9}" for x in builds[1:]) + " " + " ".join(f"{'÷cuDNN':>9}" for x in builds[1:])
-      + " " + " ".join(f"{x + '/':>10}" for x in dets) + "  cudnn/new  spread")
-nan = float("nan")
-for case in dict.fromkeys(c for c, _ in t):
-    # a column a case has no time for (a deterministic run the case refuses, e.g. the bias's): NaN
-    ms = {x: med(case, x) if t.get((case, x)) else nan for x in cols}
-    spread = max((max(t[(case, x)]) - min(t[(case, x)])) / ms[x] for x in cols if t.get((case, x)))
-    print(f"{case:18} " + " ".join(f"{ms[x]:9.3f}" for x in cols) + " "
-          + " ".join(f"{ms[x] / ms['new']:9.3f}" for x in builds[1:]) + " "
-          + " ".join(f"{normed(case, x):9.3f}" for x in builds[1:]) + " "
-          + " ".join(f"{ms[x[:-4]] / ms[x]:10.3f}" for x in dets) + f"  {ms['cudnn'] / ms['new']:9.3f}  {spread:5.1%}")
-from hf_flash.bench import results
-labels = dict(x.split("=", 1) for x in os.environ.get("AB_LABELS", "").split())
-env = results.environment()
-for tag in builds:
-    rows = []
-    for (case, t_, backend), times in own.items():
-        if t_ == tag:
-            m = statistics.median(times)
-            rows.append(results.Result(case, {"det": "hf_flash det"}.get(backend, backend), "ms", m, "ms",
-                                       max(times) - min(times)))
-    bench = results.bench_label(f"kernel_ab {os.environ['AB_PASS']}", float(os.environ.get("AB_SUSTAIN") or 0))
-    results.append(rows, bench, os.environ["AB_ROWS"], {**env, "commit": labels.get(tag, tag)})
-PY
+  PYTHONPATH=$ROOT AB_PASS=$pass AB_ROWS="$OUT/rows_$pass.csv" python3 tools/kernel_ab_summary.py "$OUT/ab_$pass.csv" $VARIANTS
 done
