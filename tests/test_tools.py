@@ -1,6 +1,7 @@
-"""The protocol model behind the cluster backward's partial-score exchange (tools/model_cluster_exchange.py): the
-protocol the kernel runs passes every random interleaving tried, and the model catches each rule's absence, so
-its passing says something."""
+"""The protocol models behind the Hopper backward (tools/model_cluster_exchange.py: the cluster backward's
+partial-score exchange; tools/model_dq_reducers.py: the dQ slot's hand-off to one or two reducers and the
+deterministic order): the protocol the kernel runs passes every random interleaving tried, and each model catches
+each rule's absence, so its passing says something."""
 
 from __future__ import annotations
 
@@ -9,10 +10,17 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parent.parent / "tools" / "model_cluster_exchange.py"
-_spec = importlib.util.spec_from_file_location("model_cluster_exchange", _PATH)
-model = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(model)
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+model = _load("model_cluster_exchange")
+reducers = _load("model_dq_reducers")
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["d512", "d256"])
@@ -33,3 +41,24 @@ def test_exchange_model_catches_a_dropped_rule(mutation, shared):
             assert expected[mutation] in str(e)
             return
     pytest.fail(f"{mutation}: no interleaving of 200 broke the protocol")
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+def test_dq_reducers_protocol_holds(deterministic):
+    # (key blocks, query blocks, resident CTAs): one CTA at a time, some, all
+    for shape in ((1, 1, 1), (2, 3, 1), (3, 5, 2), (4, 6, 4), (5, 7, 3)):
+        for seed in range(150):
+            reducers.run(*shape, deterministic, seed)
+
+
+@pytest.mark.parametrize("mutation", reducers.MUTATIONS)
+def test_dq_reducers_model_catches_a_dropped_rule(mutation):
+    expected = {"one_barrier_pair": "read", "no_empty_wait": "overwritten", "release_before_complete": "landed"}
+    for seed in range(200):
+        try:
+            reducers.run(4, 6, 3, True, seed, mutation)
+        except AssertionError as e:
+            assert expected[mutation] in str(e)
+            return
+    pytest.fail(f"{mutation}: no interleaving of 200 broke the protocol")
+

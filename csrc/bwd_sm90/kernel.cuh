@@ -91,6 +91,7 @@ struct BwdSm90Traits {
   // reducer threads (lane 0 of warps 1 and 2) take the steps in turn: one waits for its reduction to complete (the
   // order's release) while the other already adds the next tile. Else one reducer takes both (a second measured
   // 0.99x at d128). The bias kernel is never deterministic: one pair (its d64 instance spilled 8 bytes more).
+  // tools/model_dq_reducers.py models the hand-off and the order under random interleavings.
   static constexpr int kReducers = kDqBlocked && !kRelBias ? 2 : 1, kDqBars = kDqSlots * kReducers;
   static_assert(kBlockM * kD == 2 * kDqPieces * 64 * 64, "64 x 64 pieces of dQ per warpgroup");
   // One pointwise pass after both S^T and dP^T: each element's P^T and dS^T packed into fragments as its fp32 values
