@@ -143,8 +143,8 @@ template <bool kMayWalkDown>
 struct QueryWalk {
   int head, mi;                         // the pair: query head, index among the key block's query blocks
   int head0, head_end, m_begin, m_count;
-  bool walk_down;
-  __device__ __forceinline__ bool down() const { return kMayWalkDown && walk_down; }
+  bool deterministic;  // with kMayWalkDown (d128 without the bias): walks down, heads inner
+  __device__ __forceinline__ bool down() const { return kMayWalkDown && deterministic; }
   __device__ __forceinline__ int m() const { return m_begin + (down() ? m_count - 1 - mi : mi); }
   __device__ __forceinline__ bool ends_head() const { return !down() && mi + 1 == m_count; }  // the head's last pair
   __device__ __forceinline__ void next() {
@@ -217,12 +217,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   const int n0 = n_block * kBlockN;
   if (n_block < 0 || n0 >= seq.sk) return;  // packed: a block no sequence owns (the whole CTA)
   const bwd::KeyBlock kb = bwd::query_blocks<kBlockN, kBlockM>(p, seq, n0);
-  // (The bias's gradient is never deterministic, binding.cpp: its kernel keeps the ascending walk and a register.)
-  const bool walk_down = kAscendingAdds && !kRelBias && ordered;
   const int iters = groups * kb.m_count;  // (query head, query block) pairs
   const int head0 = hk * groups;
+  // (The bias's gradient is never deterministic, binding.cpp: its kernel keeps the ascending walk and a register.)
   using Walk = QueryWalk<kAscendingAdds && !kRelBias>;
-  const Walk walk0{head0, 0, head0, head0 + groups, kb.m_begin, kb.m_count, walk_down};
+  const Walk walk0{head0, 0, head0, head0 + groups, kb.m_begin, kb.m_count, ordered};
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
   // below).
   float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kRel);
