@@ -639,7 +639,13 @@ FAMILY_CASES = [
     *(Case(kind="varlen", dtype="bfloat16", h=4, hk=4, d=d, lens_q=(0, 5, 0, 130, 64), lens_k=(0, 5, 0, 130, 64),
            causal=True) for d in (64, 128, 256)),
     Case(kind="dense", dtype="float16", h=4, hk=2, d=256, lens_q=(161, 161), lens_k=(81, 81), causal=True),
-    # the d256 Hopper backward's deterministic counter order and slot ring
+    # the deterministic Hopper backward: d64 / d128 (two reducers, the query heads walked inner, sections of pairs
+    # with full attention), the d256 counter order and slot ring
+    Case(kind="dense", dtype="bfloat16", h=4, hk=2, d=128, lens_q=(161, 161), lens_k=(300, 300), causal=True,
+         deterministic=True),
+    Case(kind="dense", dtype="float16", h=4, hk=1, d=128, lens_q=(200, 200), lens_k=(390, 390), deterministic=True),
+    Case(kind="varlen", dtype="bfloat16", h=4, hk=2, d=64, lens_q=(0, 5, 300, 129), lens_k=(0, 5, 300, 129),
+         deterministic=True),
     Case(kind="dense", dtype="bfloat16", h=4, hk=2, d=256, lens_q=(161, 161), lens_k=(200, 200), causal=True,
          deterministic=True),
     *(Case(kind="dense", dtype=dtype, h=3, hk=3, d=d, lens_q=(77, 77), lens_k=(130, 130), **extra)

@@ -62,7 +62,8 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   const int n_blocks = packed ? int(packed_blocks(p.total_k, p.b, kBlockN)) : bwd::num_n_blocks(p, kBlockN);
   const int pairs = packed ? p.h_k : p.h_k * p.b;
   const int group = sm90::section_group(p.window_right == 0, pairs, n_blocks, p.num_sms,
-                                        int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2, int64_t(32) << 20);
+                                        int64_t(p.h / p.h_k) * p.seqlen_q * p.d * 2 * 2, int64_t(32) << 20,
+                                        p.deterministic);
   // A dependent of the prologue's last kernel and the convert kernel's primary: 2-4 launch gaps a call hidden.
   // d512: a cluster of two CTAs a tile (kernel.cuh).
   err = launch_kernel(kernel, Tr::kCtasPerTile * n_blocks * pairs, Tr::kThreads, smem, stream,

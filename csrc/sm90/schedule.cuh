@@ -62,10 +62,16 @@ inline bool snake_deal(int64_t couples, int num_sms) {
 
 // Pairs per section. Causal: a heavy block ~ `blocks` units of work, a section ~ pairs * blocks^2 / 2 units over
 // num_sms, so 2 * num_sms / blocks pairs balance it; capped at `cap_bytes` of `pair_bytes` (what a pair's blocks
-// share). Not causal: every block is alike, and one pair's blocks in a row share their data in L2 best.
-inline int section_group(bool causal, int pairs, int blocks, int num_sms, int64_t pair_bytes, int64_t cap_bytes) {
-  if (!causal || blocks <= 0) return 1;
-  const int64_t balance = (2 * int64_t(num_sms) + blocks - 1) / blocks;
+// share). Not causal: every block is alike, and one pair's blocks in a row share their data in L2 best - unless
+// `ordered` (the deterministic backward: a pair's blocks add dQ in block order, so blocks started together wait in
+// a chain of ~1 us links): then num_sms / kOrderedBlocksPerWave pairs a section, so a wave starts only about that
+// many consecutive blocks of a pair and the later ones start behind the earlier ones' adds.
+constexpr int kOrderedBlocksPerWave = 4;
+inline int section_group(bool causal, int pairs, int blocks, int num_sms, int64_t pair_bytes, int64_t cap_bytes,
+                         bool ordered = false) {
+  if ((!causal && !ordered) || blocks <= 0) return 1;
+  const int64_t balance = causal ? (2 * int64_t(num_sms) + blocks - 1) / blocks
+                                 : (int64_t(num_sms) + kOrderedBlocksPerWave - 1) / kOrderedBlocksPerWave;
   const int64_t cap = cap_bytes / std::max<int64_t>(1, pair_bytes);
   return int(std::max<int64_t>(1, std::min<int64_t>({balance, cap, pairs})));
 }
