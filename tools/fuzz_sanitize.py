@@ -4,6 +4,7 @@ fixed-seed set of the fuzzer's random cases, without hypothesis, for compute-san
     compute-sanitizer --tool memcheck  --error-exitcode 1 python tools/fuzz_sanitize.py --cases 40
     compute-sanitizer --tool racecheck --error-exitcode 1 python tools/fuzz_sanitize.py --cases 40
     compute-sanitizer --tool initcheck --error-exitcode 1 python tools/fuzz_sanitize.py --cases 40 --bad 0 --no-check
+    compute-sanitizer --tool racecheck --error-exitcode 1 python tools/fuzz_sanitize.py --match deterministic=True
 
 Each case runs the kernels forward and backward and is checked against float64 attention (``--no-check``
 skips the comparison). ``--bad`` cases pass bad index values (decreasing or out-of-range offsets, too small
@@ -37,6 +38,7 @@ def main() -> int:
     parser.add_argument("--bad", type=int, default=None, help="bad-value cases (default: cases // 4)")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--no-check", action="store_true", help="only run the kernels (no float64 reference)")
+    parser.add_argument("--match", default="", help="only the cases whose repr contains this (deterministic=True)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("fuzz_sanitize: needs a CUDA GPU", file=sys.stderr)
@@ -48,10 +50,13 @@ def main() -> int:
     if not loaded:
         print(f"fuzz_sanitize: {detail}", file=sys.stderr)
         return 2
-    start, failures = time.time(), 0
+    start, failures, ran = time.time(), 0, 0
     seeds = range(args.first_seed, args.first_seed + args.cases)
     for name, case in [*((f"family case {i}", c) for i, c in enumerate(FAMILY_CASES)),
                        *((f"seed {s}", draw_case(RandomSource(s), SMALL_GPU)) for s in seeds)]:
+        if args.match not in repr(case):
+            continue
+        ran += 1
         try:
             run_case(case, "cuda", check=not args.no_check)
         except AssertionError as e:
@@ -63,8 +68,8 @@ def main() -> int:
         case = draw_bad_case(RandomSource(10**6 + seed), SMALL_GPU, errors=("value",))
         run_bad_case(case, "cuda", expect_error=False)
     torch.cuda.synchronize()
-    print(f"fuzz_sanitize: hf_flash {hf_flash.__version__}, {len(FAMILY_CASES)} family + {args.cases} random cases "
-          f"({failures} failed), {bad} bad-value "
+    print(f"fuzz_sanitize: hf_flash {hf_flash.__version__}, {ran} of {len(FAMILY_CASES)} family + {args.cases} random "
+          f"cases ({failures} failed), {bad} bad-value "
           f"cases run unchecked, {time.time() - start:.0f} s")
     return 1 if failures else 0
 

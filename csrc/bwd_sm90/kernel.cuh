@@ -93,6 +93,7 @@ struct BwdSm90Traits {
   // 0.99x at d128). The bias kernel is never deterministic: one pair (its d64 instance spilled 8 bytes more).
   // tools/model_dq_reducers.py models the hand-off and the order under random interleavings.
   static constexpr int kReducers = kDqBlocked && !kRelBias ? 2 : 1, kDqBars = kDqSlots * kReducers;
+  static constexpr int kDqRing = kWgSlots * kReducers;  // an owner's fills before its first barrier pair recurs
   static_assert(kBlockM * kD == 2 * kDqPieces * 64 * 64, "64 x 64 pieces of dQ per warpgroup");
   // One pointwise pass after both S^T and dP^T: each element's P^T and dS^T packed into fragments as its fp32 values
   // die, so the peak is S^T + dP^T + dK + dV (192 registers at d64 x 128 rows; P^T fragments live beside all four
@@ -187,6 +188,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   auto dq_full = [&](int w) { return kv_full + 8 * (1 + 2 * kStages + 2 * w); };
   auto dq_empty = [&](int w) { return dq_full(w) + 8; };
   const uint32_t do_full = dq_full(Tr::kDqBars), do_empty = do_full + 8, sDq = base + Tr::kDq;
+  // Fill f of owner w: its slot of the ring, its barrier pair (whole blocks with two reducers: the fills alternate
+  // pairs; else its slot's) and the parity of that pair's round.
+  auto dq_slot = [](int w, int f) { return w * Tr::kWgSlots + f % Tr::kWgSlots; };
+  auto dq_bar = [&](int w, int f) { return Tr::kReducers > 1 ? f % Tr::kReducers : dq_slot(w, f); };
+  auto dq_parity = [](int f) { return (f / Tr::kDqRing) & 1; };
   // d512: the buffer the peer CTA's partials arrive in (x_full: its bytes; x_empty: the peer has read this CTA's).
   const uint32_t sX = base + Tr::kX, x_full = do_empty + 8, x_empty = x_full + 8;
 
@@ -286,9 +292,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
         // Fill k of owner w's ring (d256: warpgroup w's columns 128 w + 32 k ..; else the whole tile).
         for (int k = 0; k < Tr::kDqFills; ++k) {
           for (int w = 0; w < Tr::kDqOwners; ++w) {
-            const int fill = it * Tr::kDqFills + k, slot = w * Tr::kWgSlots + fill % Tr::kWgSlots;
-            const int bar = Tr::kReducers > 1 ? fill % Tr::kReducers : slot;  // whole blocks: one slot, two pairs
-            sm90::mbar_wait(dq_full(bar), (fill / (Tr::kWgSlots * Tr::kReducers)) & 1);
+            const int fill = it * Tr::kDqFills + k, slot = dq_slot(w, fill);
+            const int bar = dq_bar(w, fill);
+            sm90::mbar_wait(dq_full(bar), dq_parity(fill));
             if constexpr (Tr::kDqBlocked) {  // the whole block, in the consumers' order, with one bulk copy
               static_assert(Tr::kDqFills == 1 && Tr::kDqOwners == 1, "one fill a block");
               if (Tr::kClaimFirstAdd && !ordered) {  // claimed by the first key block whose tile is ready
@@ -721,11 +727,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // the fill kWgSlots before it from the same slot.
     constexpr int kFillJ = 8 / Tr::kFillsPerPiece;
     auto store_dq = [&](int f, int j0) {
-      const int slot = dq_owner * Tr::kWgSlots + f % Tr::kWgSlots;
-      if constexpr (Tr::kReducers > 1) {  // one slot: free once fill f - 1's reducer (f - 1 in turn) has read it
-        if (f >= 1) sm90::mbar_wait(dq_empty((f - 1) % Tr::kReducers), ((f - 1) / Tr::kReducers) & 1);
-      } else if (f >= Tr::kWgSlots) {
-        sm90::mbar_wait(dq_empty(slot), (f / Tr::kWgSlots - 1) & 1);
+      const int slot = dq_slot(dq_owner, f);
+      if (f >= Tr::kWgSlots) {  // the slot's fill before (f - kWgSlots, one round of the ring back) has been read
+        const int before = f - Tr::kWgSlots + Tr::kDqRing;  // + a whole ring: no negative division
+        sm90::mbar_wait(dq_empty(dq_bar(dq_owner, before)), (before / Tr::kDqRing - 1) & 1);
       }
       if constexpr (Tr::kDqBlocked) {  // this warpgroup's half: its thread i's chunk j at (128 j + i) x 16 bytes
         const uint32_t piece = sDq + slot * Tr::kDqSlotBytes + wg * (Tr::kDqSlotBytes / 2) + (threadIdx.x % 128) * 16;
@@ -735,7 +740,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
                                                               __float_as_uint(dq[j][2]), __float_as_uint(dq[j][3])));
         }
         sm90::fence_proxy_async();
-        sm90::mbar_arrive(dq_full(Tr::kReducers > 1 ? f % Tr::kReducers : slot));
+        sm90::mbar_arrive(dq_full(dq_bar(dq_owner, f)));
         return;
       }
       const uint32_t x0 = dq_x + slot * Tr::kDqSlotBytes;  // slots are 1024-byte multiples: dq_x's XOR holds
@@ -752,7 +757,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
         }
       }
       sm90::fence_proxy_async();  // the stores, visible to the TMA reductions
-      sm90::mbar_arrive(dq_full(slot));
+      sm90::mbar_arrive(dq_full(dq_bar(dq_owner, f)));
     };
 #pragma unroll
     for (int piece = 0; piece < Tr::kDqPieces; ++piece) {  // d256: the next piece's wgmma, then its stores
