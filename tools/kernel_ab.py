@@ -39,6 +39,8 @@ CASES = [("llama 2x4096", 2, 4096, 16, 8, 128, True), ("llama 1x16384", 1, 16384
          ("d64 full 2k", 8, 2048, 32, 32, 64, False),
          ("d64 causal 2k", 8, 2048, 32, 32, 64, True), ("d64 causal 16k", 1, 16384, 32, 32, 64, True),
          ("d64 full 16k", 1, 16384, 32, 32, 64, False),
+         *((f"d{d} {mask} {s // 1024}k", 16384 // s, s, 2048 // d, 2048 // d, d, mask == "causal")
+           for d in (128, 64) for s in (4096, 8192) for mask in ("causal", "full")),
          ("d128 causal 512", 32, 512, 16, 16, 128, True), ("d128 full 512", 32, 512, 16, 16, 128, False),
          ("d64 causal 512", 32, 512, 32, 32, 64, True), ("d64 full 512", 32, 512, 32, 32, 64, False),
          ("t5 enc 32x512", 32, 512, 12, 12, 64, False), ("t5 enc 32x512 bias", 32, 512, 12, 12, 64, False),
