@@ -136,7 +136,7 @@ struct BwdSm90Traits {
 // TMA maps of q, dout, dq_acc (boxes of kBlockM rows) and k, v (kBlockN rows): dims (d, heads, rows, batch),
 // 128-byte boxes (launch.cuh makes them; varlen tensors are one batch of total rows).
 // A CTA's walk over its (query head, query block) pairs: the group's heads outer, the key block's query blocks
-// inner (the bias's gradient sums one head at a time), first block first; deterministic d64 / d128 (`down`) walks the
+// inner (the bias's gradient sums one head at a time), first block first; deterministic d128 (`down`) walks the
 // blocks last first with the heads inner, so every key block of a pair reaches (head, m) at the same step whatever
 // its count of query blocks. With the heads outer, a causal pair's lighter key blocks finished a head sooner and
 // waited at the next one for the heavier blocks before them in the order, holding their SMs.
@@ -144,7 +144,7 @@ template <bool kMayWalkDown>
 struct QueryWalk {
   int head, mi;                         // the pair: query head, index among the key block's query blocks
   int head0, head_end, m_begin, m_count;
-  bool deterministic;  // with kMayWalkDown (d64 / d128 without the bias): walks down, heads inner
+  bool deterministic;  // with kMayWalkDown (d128 without the bias): walks down, heads inner
   __device__ __forceinline__ bool down() const { return kMayWalkDown && deterministic; }
   __device__ __forceinline__ int m() const { return m_begin + (down() ? m_count - 1 - mi : mi); }
   __device__ __forceinline__ bool ends_head() const { return !down() && mi + 1 == m_count; }  // the head's last pair
@@ -207,13 +207,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   const sm90::SectionTile cta = sm90::section_tile(pairs, n_blocks, group, blockIdx.x / kCtasPerTile);
   // Deterministic mode (a counter per (query block, head) in dq_counters) orders the dQ additions into a
   // query block by key block, in the order the grid starts the key blocks, so a CTA only ever waits for CTAs that
-  // started before it. d64 / d128 add in ascending order (the grid's own, heaviest causal blocks first), each key
-  // block walking its query blocks last first, heads inner (QueryWalk): every key block of a pair reaches (head, m)
-  // at the same step. d256 adds in descending order with the grid reversed, walking up from the diagonal: each key
-  // block reaches m one step after the one it waits for (at d64, with the heads outer, that measured 2-5% faster
-  // than ascending; docs/design/backward-sm90.md), but the lightest blocks start first, so a grid of under two waves
-  // ends on its heaviest.
-  constexpr bool kAscendingAdds = kD <= 128;
+  // started before it. d128 adds in ascending order (the grid's own, heaviest causal blocks first), each key block
+  // walking its query blocks last first, heads inner (QueryWalk): every key block of a pair reaches (head, m) at the
+  // same step.
+  // d64 and d256 add in descending order with the grid reversed, walking up from the diagonal: each key block reaches
+  // m one step after the one it waits for, which measured 2-5% faster than ascending at causal d64 shapes
+  // (docs/design/backward-sm90.md).
+  constexpr bool kAscendingAdds = kD == 128;
   const bool ordered = p.deterministic;
   const int block = ordered && !kAscendingAdds ? n_blocks - 1 - cta.block : cta.block;
   const int hk = cta.pair % p.h_k, groups = p.h / p.h_k;
