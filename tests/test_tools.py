@@ -49,14 +49,19 @@ def test_dq_reducers_protocol_holds(deterministic):
     for shape in ((1, 1, 1), (2, 3, 1), (3, 5, 2), (4, 6, 4), (5, 7, 3)):
         for seed in range(150):
             reducers.run(*shape, deterministic, seed)
+    # several pairs in sections, block index slowest (deterministic full attention: launch.cuh), and causal
+    for pairs, group, causal in ((3, 2, False), (4, 4, False), (5, 2, True), (3, 1, False)):
+        for seed in range(60):
+            reducers.run(4, 4, 3, deterministic, seed, pairs=pairs, group=group, causal=causal)
 
 
 @pytest.mark.parametrize("mutation", reducers.MUTATIONS)
 def test_dq_reducers_model_catches_a_dropped_rule(mutation):
-    expected = {"one_barrier_pair": "read", "no_empty_wait": "overwritten", "release_before_complete": "landed"}
+    expected = {"one_barrier_pair": "read", "no_empty_wait": "overwritten", "release_before_complete": "landed",
+                "blocks_reversed": "deadlock"}
     for seed in range(200):
         try:
-            reducers.run(4, 6, 3, True, seed, mutation)
+            reducers.run(4, 6, 3, True, seed, mutation, pairs=3, group=2, causal=mutation != "blocks_reversed")
         except AssertionError as e:
             assert expected[mutation] in str(e)
             return
