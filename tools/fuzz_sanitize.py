@@ -4,7 +4,8 @@ fixed-seed set of the fuzzer's random cases, without hypothesis, for compute-san
     compute-sanitizer --tool memcheck  --error-exitcode 1 python tools/fuzz_sanitize.py --cases 40
     compute-sanitizer --tool racecheck --error-exitcode 1 python tools/fuzz_sanitize.py --cases 40
     compute-sanitizer --tool initcheck --error-exitcode 1 python tools/fuzz_sanitize.py --cases 40 --bad 0 --no-check
-    compute-sanitizer --tool racecheck --error-exitcode 1 python tools/fuzz_sanitize.py --match deterministic=True --bad 0
+    compute-sanitizer --tool racecheck --error-exitcode 1 python tools/fuzz_sanitize.py --bad 0 \
+        --match deterministic=True
 
 Each case runs the kernels forward and backward and is checked against float64 attention (``--no-check``
 skips the comparison). ``--bad`` cases pass bad index values (decreasing or out-of-range offsets, too small
@@ -38,7 +39,8 @@ def main() -> int:
     parser.add_argument("--bad", type=int, default=None, help="bad-value cases (default: cases // 4)")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--no-check", action="store_true", help="only run the kernels (no float64 reference)")
-    parser.add_argument("--match", default="", help="only the valid cases whose repr contains this (deterministic=True)")
+    parser.add_argument("--match", default="",
+                        help="only the valid cases whose repr contains this (deterministic=True)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("fuzz_sanitize: needs a CUDA GPU", file=sys.stderr)
