@@ -17,7 +17,8 @@ struct SectionTile {
 };
 
 // `index`: the CTA's tile in the grid (blockIdx.x, or the cluster's index with clusters).
-__device__ __forceinline__ SectionTile section_tile(int pairs, int blocks, int group, unsigned index = blockIdx.x) {
+__host__ __device__ __forceinline__ SectionTile section_tile(int pairs, int blocks, int group,
+                                                          unsigned index = blockIdx.x) {
   const int section = index / (group * blocks), r = index - section * group * blocks;
   const int in_section = min(group, pairs - section * group);  // the last section may hold fewer pairs
   return {section * group + r % in_section, r / in_section};
