@@ -67,7 +67,7 @@ inline bool snake_deal(int64_t couples, int num_sms) {
 // `ordered` (the deterministic backward: a pair's blocks add dQ in block order, so blocks started together wait in
 // a chain of ~1 us links): then num_sms / kOrderedBlocksPerWave pairs a section, so a wave starts only about that
 // many consecutive blocks of a pair and the later ones start behind the earlier ones' adds (2 a wave ran 1.37x
-// slower where the sections' Q, dO and fp32 dQ outgrew L2; docs/design/backward-sm90.md).
+// slower at d64 2k / d128 1k, whose 64 pairs' Q, dO and fp32 dQ exceed L2; docs/design/backward-sm90.md).
 constexpr int kOrderedBlocksPerWave = 4;
 inline int section_group(bool causal, int pairs, int blocks, int num_sms, int64_t pair_bytes, int64_t cap_bytes,
                          bool ordered = false) {

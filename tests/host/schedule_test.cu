@@ -48,12 +48,16 @@ int main() {
             const int group = section_group(causal, pairs, blocks, num_sms, pair_bytes, int64_t(32) << 20, ordered);
             CHECK(group >= 1 && group <= pairs, "group %d of %d pairs", group, pairs);
             if (!causal && !ordered) CHECK(group == 1, "full attention, not ordered: group %d", group);
-            // ordered full attention: ~4 of a pair's blocks a wave, within the byte cap
+            // ordered full attention: at most kOrderedBlocksPerWave of a pair's blocks a wave, unless the section
+            // holds every pair or one more pair would pass the byte cap
             if (!causal && ordered) {
-              const int64_t want = std::min<int64_t>({(num_sms + kOrderedBlocksPerWave - 1) / kOrderedBlocksPerWave,
-                                                      std::max<int64_t>(1, (int64_t(32) << 20) / pair_bytes),
-                                                      int64_t(pairs)});
-              CHECK(group == want, "ordered full attention: group %d, want %lld", group, (long long)want);
+              const int64_t cap = int64_t(32) << 20;
+              CHECK(group == 1 || int64_t(group) * pair_bytes <= cap, "group %d of %lld bytes past the cap", group,
+                    (long long)pair_bytes);
+              CHECK(group == pairs || int64_t(group + 1) * pair_bytes > cap ||
+                        (num_sms + group - 1) / group <= kOrderedBlocksPerWave,
+                    "ordered full attention: group %d leaves %d blocks of a pair a wave", group,
+                    (num_sms + group - 1) / group);
             }
             check_grid(pairs, blocks, group);
           }
