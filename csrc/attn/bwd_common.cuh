@@ -457,6 +457,14 @@ __device__ __forceinline__ KeyBlock query_blocks(const BwdParams& p, const Seq& 
   const int m_begin = m_lo / kBlockM;
   return {n0, m_begin, m_hi > m_lo ? (m_hi + kBlockM - 1) / kBlockM - m_begin : 0};
 }
+// Query blocks from a key block's first (m_begin) to the one holding its first key's diagonal row, within
+// [0, m_count): 0 where the mask starts the key block there (causal), up to m_count - 1 with full attention.
+template <int kBlockM>
+__device__ __forceinline__ int diagonal_offset(const BwdParams& p, const Seq& seq, const KeyBlock& kb) {
+  const int diag_row = kb.n0 - (seq.sk - seq.sq);
+  const int off = (diag_row > 0 ? diag_row / kBlockM : 0) - kb.m_begin;
+  return max(0, min(off, kb.m_count - 1));
+}
 // Deterministic dQ on Hopper (bwd_sm90/kernel.cuh): the key blocks that add into query block m are the contiguous
 // run first_key_block(m) .. last_key_block(m) (query_blocks starts and ends later for later key blocks); key block
 // n is the (n - first)-th to add in ascending order, the (last - n)-th in descending order.

@@ -27,9 +27,9 @@ __host__ __device__ constexpr int sm90_block_m(int d) { return d == 64 ? 128 : k
 __host__ __device__ constexpr bool sm90_dq_blocked(int d) { return d == 64 || d == 128; }
 constexpr int kDqBlockFloats = 128 * 64;
 // Whole blocks go to an accumulator nothing zeroes where the first add into a block stores it (bwd_sm90/kernel.cuh;
-// the D kernel then zeroes only the counters): in deterministic mode the order's first, and at d64 the first key
-// block whose tile is ready (a compare-and-swap claims the block, the others add once its store is complete).
-__host__ __device__ constexpr bool sm90_claims_first_add(int d) { return d == 64; }
+// the D kernel then zeroes only the counters): in deterministic mode the order's first, else the first key block
+// whose tile is ready (a compare-and-swap claims the block, the others add once its store is complete).
+__host__ __device__ constexpr bool sm90_claims_first_add(int d) { return sm90_dq_blocked(d); }
 __host__ __device__ constexpr bool sm90_first_add_stores(int d, bool deterministic) {
   return sm90_dq_blocked(d) && (sm90_claims_first_add(d) || deterministic);
 }

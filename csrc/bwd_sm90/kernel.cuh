@@ -64,11 +64,10 @@ struct BwdSm90Traits {
   static constexpr int kColumns = kHeadDim;                      // of the tensors
   static constexpr int kBlockN = kDSplit ? 64 : 128, kBlockM = bwd::sm90_block_m(kHeadDim);
   static constexpr bool kDqBlocked = bwd::sm90_dq_blocked(kHeadDim);  // dQ in register order (bwd_config.h)
-  // The first add into a dQ block stores it (bwd_config.h: sm90_first_add_stores), claimed at d64. At d128 the
-  // claim measured 0.91-0.95x (same-process A/B, H100: Llama 2 x 4096 / 1 x 16384, causal 16k, full 1k, packed)
-  // where d64 gained 1.02-1.05x at 1k-2k; its steps are half as long, and the claimer's wait for its store also
-  // waits for its earlier reductions (docs/design/backward-sm90.md). d128 keeps the zeroed accumulator outside
-  // deterministic mode.
+  // The first add into a dQ block stores it (bwd_config.h: sm90_first_add_stores), claimed by the first key block
+  // whose tile is ready. The claimer's store goes to a storer lane of its own (lane 0 of warp 2), whose bulk group
+  // holds its stores alone: waiting for the store's completion in the reducer's group also waited for its earlier
+  // reductions (d128 0.91-0.95x, docs/design/backward-sm90.md).
   static constexpr bool kClaimFirstAdd = kDqBlocked && bwd::sm90_claims_first_add(kHeadDim);
   static_assert(!kDqBlocked || kBlockM * kD == bwd::kDqBlockFloats, "a dQ block is one query block");
   static constexpr int kDv = kDSplit ? kD / 2 : kD;  // columns of dK / dV a warpgroup holds
@@ -120,13 +119,14 @@ struct BwdSm90Traits {
   static constexpr int kDStBytes = kBlockN * kBlockM * 2, kDqSlotBytes = kBlockM * kDqSlotCols * 4;
   static constexpr int kXBytes = kCluster ? kBlockN * kBlockM * 4 : 0;  // d512: the peer's partial S^T or dP^T
   static constexpr int kRowBytes = kBlockM * 4;
-  static constexpr int kBarCount = 1 + 2 * kStages + 2 * kDqBars + 2 * kOneDoStage + 2 * kCluster;
+  static constexpr int kBarCount = 1 + 2 * kStages + 2 * kDqBars + 2 * kOneDoStage + 2 * kCluster + 2 * kClaimFirstAdd;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kQBytes,
                        kDSt = kDO + kDoStages * kQBytes, kDq = kDSt + kDStBuffers * kDStBytes,
                        kX = kDq + kDqSlots * kDqSlotBytes,
                        kLse = kX + kXBytes, kDsum = kLse + kStages * kRowBytes,
                        kBars = kDsum + kStages * kRowBytes,
-                       kRel = kBars + kBarCount * 8,  // T5's bias: sums and staging rows (launch.cuh adds them)
+                       kClaim = kBars + kBarCount * 8,  // the storer's mailbox: accumulator block, barrier pair
+                       kRel = kClaim + 16,  // T5's bias: sums and staging rows (launch.cuh adds them)
                        kSmemBytes = kRel + 1024;              // + alignment slack
   static_assert(kDSt % 1024 == 0 && kDStBytes % 1024 == 0 && kDq % 1024 == 0, "swizzled panels");
   static_assert(kSmemBytes <= bwd::kSm90SmemOptin && (!kRelBias || bwd::rel_bias_fits_sm90(kSmemBytes, kRelJ)),
@@ -140,13 +140,20 @@ struct BwdSm90Traits {
 // blocks last first with the heads inner, so every key block of a pair reaches (head, m) at the same step whatever
 // its count of query blocks. With the heads outer, a causal pair's lighter key blocks finished a head sooner and
 // waited at the next one for the heavier blocks before them in the order, holding their SMs.
+// Outside deterministic mode the walk starts at the query block of the key block's diagonal (`rot` blocks past the
+// first) and wraps: causal key blocks start there anyway, and full attention's key blocks then reach a query block
+// at different steps instead of all at once (their dQ adds into one block and its claim, below, spread out).
 template <bool kMayWalkDown>
 struct QueryWalk {
   int head, mi;                         // the pair: query head, index among the key block's query blocks
   int head0, head_end, m_begin, m_count;
   bool deterministic;  // with kMayWalkDown (d128 without the bias): walks down, heads inner
+  int rot;             // 0 in deterministic mode (its order starts every key block at its first query block)
   __device__ __forceinline__ bool down() const { return kMayWalkDown && deterministic; }
-  __device__ __forceinline__ int m() const { return m_begin + (down() ? m_count - 1 - mi : mi); }
+  __device__ __forceinline__ int m() const {
+    const int up = mi + rot;
+    return m_begin + (down() ? m_count - 1 - mi : up < m_count ? up : up - m_count);
+  }
   __device__ __forceinline__ bool ends_head() const { return !down() && mi + 1 == m_count; }  // the head's last pair
   __device__ __forceinline__ void next() {
     if (down()) {
@@ -195,6 +202,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   auto dq_parity = [](int f) { return (f / Tr::kDqRing) & 1; };
   // d512: the buffer the peer CTA's partials arrive in (x_full: its bytes; x_empty: the peer has read this CTA's).
   const uint32_t sX = base + Tr::kX, x_full = do_empty + 8, x_empty = x_full + 8;
+  // A claimed block handed from the reducer to the storer: claim_full (the mailbox written), claim_empty (stored).
+  const uint32_t claim_full = kv_full + 8 * (Tr::kBarCount - 2), claim_empty = claim_full + 8;  // the last two
 
   // Pairs (kv head, batch), blocks = key blocks: block 0 sees the most query blocks (sm90/schedule.cuh); packed
   // rows: pairs (kv head), blocks = packed key blocks (flash.h: packed_block0), so short sequences take no CTAs
@@ -227,7 +236,8 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   const int head0 = hk * groups;
   // (The bias's gradient is never deterministic, binding.cpp: its kernel keeps the ascending walk and a register.)
   using Walk = QueryWalk<kAscendingAdds && !kRelBias>;
-  const Walk walk0{head0, 0, head0, head0 + groups, kb.m_begin, kb.m_count, ordered};
+  const Walk walk0{head0, 0, head0, head0 + groups, kb.m_begin, kb.m_count, ordered,
+                   ordered ? 0 : bwd::diagonal_offset<kBlockM>(p, seq, kb)};
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
   // below).
   float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kRel);
@@ -248,6 +258,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       sm90::mbar_init(do_full, 1);
       sm90::mbar_init(do_empty, Tr::kConsumerThreads);
     }
+    if (Tr::kClaimFirstAdd) {
+      sm90::mbar_init(claim_full, 1);
+      sm90::mbar_init(claim_empty, 1);
+    }
     if (Tr::kCluster) {
       sm90::mbar_init(x_full, 1);                             // the arming thread; + the bytes
       sm90::mbar_init(x_empty, Tr::kConsumerThreads / 32);  // the peer's consumer warps
@@ -263,6 +277,26 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     sm90::regs_dealloc<Tr::kProducerRegs>();
     const int tma_b = p.cu_seqlens_q ? 0 : b;
     const int reducer = threadIdx.x / 32 - 1, reducers = ordered ? Tr::kReducers : 1;  // lanes 0 of warps 1, 2
+    const bool claims = Tr::kClaimFirstAdd && !ordered;
+    volatile int64_t* claim_box = reinterpret_cast<volatile int64_t*>(smem_raw + (base - raw) + Tr::kClaim);
+    // The storer (claims: lane 0 of warp 2): stores each block the reducer claimed, frees its slot once read and
+    // releases its counter (1 -> 2) once written, for the other key blocks' adds; until the reducer's end mark.
+    if (claims && threadIdx.x == 64) {
+      static_assert(!Tr::kClaimFirstAdd || Tr::kWgSlots == 1, "a claimed block is the one slot");
+      for (int k = 0;; ++k) {
+        sm90::mbar_wait(claim_full, k & 1);
+        const int64_t acc_block = claim_box[0];
+        if (acc_block < 0) break;
+        sm90::bulk_store(dq_acc + acc_block * bwd::kDqBlockFloats, sDq, Tr::kDqSlotBytes);
+        sm90::bulk_commit();
+        sm90::bulk_wait_read<0>();
+        sm90::mbar_arrive(dq_empty(int(claim_box[1])));
+        sm90::bulk_wait<0>();
+        sm90::counter_release_inc(dq_counters + acc_block);
+        sm90::mbar_arrive(claim_empty);
+      }
+      return;
+    }
     if (threadIdx.x % 32 == 0 && reducer >= 0 && reducer < reducers) {
       tile::grid_dependency_wait();  // the accumulator was zeroed before the prologue's kernels
       // Rows past a dense batch's seqlen_q fall outside the map (dropped); varlen rows past a sequence add 0.
@@ -270,12 +304,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       auto walk = walk0;
       const int m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;  // per (batch, head) in the d256 counters
       int pending = -1;  // kWgSlots > 1: the slot of the newest reduction, released after the next one's issue
+      int claimed = 0;   // blocks handed to the storer
 #pragma unroll 1  // the producer loops stay rolled: 24 registers
       for (int it = 0; it < iters; ++it, walk.next()) {
         if (it % reducers != reducer) continue;  // the other reducer's step
         const int m = walk.m(), head = walk.head;
         // Whole blocks (d64 / d128): block (query block, head) of the accumulator, and its counter where the first
-        // add stores (bwd::sm90_first_add_stores): deterministic mode counts the adds, the claim (d64) has 0
+        // add stores (bwd::sm90_first_add_stores): deterministic mode counts the adds, the claim has 0
         // untouched, 1 being stored, 2 stored. Else (d256, d512) a counter per (batch, head, query block) in
         // deterministic mode only.
         const int64_t acc_block = Tr::kDqBlocked ? (bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head : 0;
@@ -297,9 +332,16 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
             sm90::mbar_wait(dq_full(bar), dq_parity(fill));
             if constexpr (Tr::kDqBlocked) {  // the whole block, in the consumers' order, with one bulk copy
               static_assert(Tr::kDqFills == 1 && Tr::kDqOwners == 1, "one fill a block");
-              if (Tr::kClaimFirstAdd && !ordered) {  // claimed by the first key block whose tile is ready
-                store = atomicCAS(counter, 0, 1) == 0;
-                if (!store) sm90::counter_wait</*kAtLeast=*/true>(counter, 2);
+              if (claims) {  // claimed by the first key block whose tile is ready
+                if (atomicCAS(counter, 0, 1) == 0) {  // the storer's (one fill a block: this ends the step)
+                  if (claimed > 0) sm90::mbar_wait(claim_empty, (claimed - 1) & 1);  // the mailbox is free
+                  claim_box[0] = acc_block;
+                  claim_box[1] = bar;
+                  sm90::mbar_arrive(claim_full);
+                  ++claimed;
+                  continue;
+                }
+                sm90::counter_wait</*kAtLeast=*/true>(counter, 2);
               }
               float* dst = dq_acc + acc_block * bwd::kDqBlockFloats;
               if (store) sm90::bulk_store(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
@@ -324,12 +366,17 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
             }
           }
         }
-        if (ordered || store) {
+        if (ordered) {
           sm90::bulk_wait<0>();  // the additions (or the store) are done: the next key block may add
           if (pending >= 0) sm90::mbar_arrive(dq_empty(pending));
           pending = -1;
           sm90::counter_release_inc(counter);
         }
+      }
+      if (claims) {  // the end mark, once the storer has read the last block's mailbox
+        if (claimed > 0) sm90::mbar_wait(claim_empty, (claimed - 1) & 1);
+        claim_box[0] = -1;
+        sm90::mbar_arrive(claim_full);
       }
       sm90::bulk_wait<0>();  // the additions are done before the thread exits
     }
