@@ -323,6 +323,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
                                             : bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block;
           sm90::counter_wait(counter, before);
           store = Tr::kDqBlocked && before == 0;
+        } else if (claims) {  // before the tile is ready, so that the round trips run under the consumers' step
+          store = atomicCAS(counter, 0, 1) == 0;
+          if (!store) sm90::counter_wait</*kAtLeast=*/true>(counter, 2);  // its claimer has stored it
         }
         // Fill k of owner w's ring (d256: warpgroup w's columns 128 w + 32 k ..; else the whole tile).
         for (int k = 0; k < Tr::kDqFills; ++k) {
@@ -332,16 +335,13 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
             sm90::mbar_wait(dq_full(bar), dq_parity(fill));
             if constexpr (Tr::kDqBlocked) {  // the whole block, in the consumers' order, with one bulk copy
               static_assert(Tr::kDqFills == 1 && Tr::kDqOwners == 1, "one fill a block");
-              if (claims) {  // claimed by the first key block whose tile is ready
-                if (atomicCAS(counter, 0, 1) == 0) {  // the storer's (one fill a block: this ends the step)
-                  if (claimed > 0) sm90::mbar_wait(claim_empty, (claimed - 1) & 1);  // the mailbox is free
-                  claim_box[0] = acc_block;
-                  claim_box[1] = bar;
-                  sm90::mbar_arrive(claim_full);
-                  ++claimed;
-                  continue;
-                }
-                sm90::counter_wait</*kAtLeast=*/true>(counter, 2);
+              if (claims && store) {  // the storer's (one fill a block: this ends the step)
+                if (claimed > 0) sm90::mbar_wait(claim_empty, (claimed - 1) & 1);  // the mailbox is free
+                claim_box[0] = acc_block;
+                claim_box[1] = bar;
+                sm90::mbar_arrive(claim_full);
+                ++claimed;
+                continue;
               }
               float* dst = dq_acc + acc_block * bwd::kDqBlockFloats;
               if (store) sm90::bulk_store(dst, sDq + slot * Tr::kDqSlotBytes, Tr::kDqSlotBytes);
