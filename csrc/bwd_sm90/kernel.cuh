@@ -68,7 +68,7 @@ struct BwdSm90Traits {
   // whose tile is ready. The claimer's store goes to a storer lane of its own (lane 0 of warp 2), whose bulk group
   // holds its stores alone: waiting for the store's completion in the reducer's group also waited for its earlier
   // reductions (d128 0.91-0.95x, docs/design/backward-sm90.md).
-  static constexpr bool kClaimFirstAdd = kDqBlocked && bwd::sm90_claims_first_add(kHeadDim);
+  static constexpr bool kClaimFirstAdd = kDqBlocked;  // the storer and its barriers (claims: at run time)
   static_assert(!kDqBlocked || kBlockM * kD == bwd::kDqBlockFloats, "a dQ block is one query block");
   static constexpr int kDv = kDSplit ? kD / 2 : kD;  // columns of dK / dV a warpgroup holds
   static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     sm90::regs_dealloc<Tr::kProducerRegs>();
     const int tma_b = p.cu_seqlens_q ? 0 : b;
     const int reducer = threadIdx.x / 32 - 1, reducers = ordered ? Tr::kReducers : 1;  // lanes 0 of warps 1, 2
-    const bool claims = Tr::kClaimFirstAdd && !ordered;
+    const bool claims = Tr::kClaimFirstAdd && !ordered && bwd::sm90_claims_first_add(kHeadDim, p.seqlen_k);
     volatile int64_t* claim_box = reinterpret_cast<volatile int64_t*>(smem_raw + (base - raw) + Tr::kClaim);
     // The storer (claims: lane 0 of warp 2): stores each block the reducer claimed, frees its slot once read and
     // releases its counter (1 -> 2) once written, for the other key blocks' adds; until the reducer's end mark.
@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
         // untouched, 1 being stored, 2 stored. Else (d256, d512) a counter per (batch, head, query block) in
         // deterministic mode only.
         const int64_t acc_block = Tr::kDqBlocked ? (bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head : 0;
-        int* counter = bwd::sm90_first_add_stores(kHeadDim, ordered) ? dq_counters + acc_block
+        int* counter = bwd::sm90_first_add_stores(kHeadDim, ordered, p.seqlen_k) ? dq_counters + acc_block
                        : ordered ? dq_counters + (int64_t(b) * p.h + head) * m_blocks + m
                                  : nullptr;
         bool store = false;
@@ -323,9 +323,10 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
                                             : bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block;
           sm90::counter_wait(counter, before);
           store = Tr::kDqBlocked && before == 0;
-        } else if (claims) {  // before the tile is ready, so that the round trips run under the consumers' step
-          store = atomicCAS(counter, 0, 1) == 0;
-          if (!store) sm90::counter_wait</*kAtLeast=*/true>(counter, 2);  // its claimer has stored it
+        } else if (claims) {  // before the tile is ready, so that the round trip runs under the consumers' step
+          const int seen = sm90::counter_claim(counter);
+          store = seen == 0;
+          if (seen == 1) sm90::counter_wait</*kAtLeast=*/true>(counter, 2);  // its claimer has stored it
         }
         // Fill k of owner w's ring (d256: warpgroup w's columns 128 w + 32 k ..; else the whole tile).
         for (int k = 0; k < Tr::kDqFills; ++k) {

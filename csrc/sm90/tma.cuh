@@ -129,6 +129,14 @@ __device__ __forceinline__ void counter_wait(const int* counter, int value) {
   } while (kAtLeast ? seen < value : seen != value);
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
+// Claims a block (counter 0 -> 1) and returns what the counter held, with acquire semantics: a 2 seen here orders
+// this thread's later adds after the claimer's store, as counter_wait does (one round trip instead of two).
+__device__ __forceinline__ int counter_claim(int* counter) {
+  int old;
+  asm volatile("atom.acquire.gpu.global.cas.b32 %0, [%1], 0, 1;\n" : "=r"(old) : "l"(counter) : "memory");
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  return old;
+}
 // Once this thread's bulk groups have completed (bulk_wait<0>): makes their global writes visible to the next
 // counter_wait and adds 1 (release at GPU scope).
 __device__ __forceinline__ void counter_release_inc(int* counter) {
