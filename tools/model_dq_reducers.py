@@ -4,12 +4,18 @@ f - 1 has been read, and arrive on barrier pair f % 2; deterministic mode's two 
 turn (the default: one lane takes all), each waiting for its fill's dq_full, then (deterministic) for the counter
 of its query block to say that every key block before it in the order has added, reading the slot into an
 asynchronous reduction, freeing the slot (dq_empty), waiting for its reduction to complete and releasing the
-counter. CTAs start in grid order, at most `resident` at a time; reductions complete late and out of order. The grid
+counter. The default mode claims (the first add into a block stores it, nothing zeroes the accumulator): before its
+fill is ready the reducer claims the block's counter (0 -> 1) or waits until it says stored (2); a claimed fill goes
+to the CTA's storer lane through a one-entry mailbox (claim_full / claim_empty), which stores it, frees the slot,
+waits for its store to complete and marks the counter 2. CTAs start in grid order, at most `resident` at a time;
+reductions and stores complete late and out of order. The grid
 holds `pairs` (kv head, batch) pairs of `key_blocks` each, in sections of `group` pairs with the block index
 slowest (csrc/sm90/schedule.cuh's section_tile, mirrored below). Fails on a deadlock, a slot read before its fill
 was written or after it was overwritten, or (deterministic) a query block's additions landing out of the key
-blocks' order. `mutation` drops one rule (MUTATIONS), to show the model catches its absence (tests/test_tools.py).
-Causal: key block n walks query blocks n .. m_blocks - 1, last first (d128's causal walk); full attention: all.
+blocks' order, or (default) an add landing before its block's store or a block stored twice. `mutation` drops one
+rule (MUTATIONS), to show the model catches its absence (tests/test_tools.py). Causal: key block n sees query blocks
+n .. m_blocks - 1; full attention: all. Deterministic mode walks them last first (d128's order); the default from
+the key block's diagonal (query block n) up, wrapping (kernel.cuh: QueryWalk).
   python3 tools/model_dq_reducers.py"""
 import random
 
@@ -22,8 +28,11 @@ class MBar:  # arrival count 1 a phase (the consumers' 256 arrivals, or the redu
 
 # The rules a mutation drops: the two barrier pairs (both reducers on pair 0, waiting with fill & 1 as one reducer
 # does); the consumers' wait for fill f - 1's read; the reducer's wait for its reduction to complete before it
-# releases the counter; the grid starting a pair's key blocks in the order's (blocks_reversed: last first).
-MUTATIONS = ("one_barrier_pair", "no_empty_wait", "release_before_complete", "blocks_reversed")
+# releases the counter; the grid starting a pair's key blocks in the order's (blocks_reversed: last first); the
+# storer's wait for its store to complete before it marks the block stored (stored_before_complete, default mode).
+MUTATIONS = ("one_barrier_pair", "no_empty_wait", "release_before_complete", "blocks_reversed",
+             "stored_before_complete")
+CLAIM_MUTATIONS = ("stored_before_complete",)  # rules of the default mode's claims
 
 
 def section_tile(pairs, blocks, group, index):
@@ -43,7 +52,8 @@ def run(key_blocks, m_blocks, resident, deterministic, seed, mutation=None, pair
         tiles = [(p, key_blocks - 1 - n) for p, n in tiles]
     counters = {(p, m): 0 for p in range(pairs) for m in range(m_blocks)}
     landed = {pm: [] for pm in counters}  # key blocks whose additions into (pair, m) completed, in order
-    inflight = []  # (cta, reducer, query block)
+    stores = {pm: [] for pm in counters}  # default mode: the key blocks whose stores into (pair, m) completed
+    inflight = []  # (cta, reducer or 's' for the storer, query block)
     ctas = {}
 
     def pair(f):
@@ -62,25 +72,66 @@ def run(key_blocks, m_blocks, resident, deterministic, seed, mutation=None, pair
             yield
             c['full'][pair(f)].arrive()
 
+    def read_slot(c, f, who, m):  # an asynchronous reduction (or store) of fill f, issued
+        assert c['slot'] == [f, False], f"tile {c['tile']}: {who} read {c['slot']} for fill {f}"
+        c['slot'][1] = True
+        inflight.append((c['index'], who, m))
+        c['pending'][who] += 1
+
+    def storer(i):  # default mode: the blocks the reducer claimed, through the mailbox
+        c = ctas[i]
+        p, _ = c['tile']
+        k = 0
+        while True:
+            while not c['claim_full'].done(k & 1): yield
+            if c['box'] is None:
+                return
+            f, m = c['box']
+            read_slot(c, f, 's', m)
+            yield
+            c['empty'][pair(f)].arrive()
+            if mutation != "stored_before_complete":
+                while c['pending']['s']: yield
+            counters[(p, m)] = 2
+            c['claim_empty'].arrive()
+            k += 1
+
     def reducer(i, r):
         c = ctas[i]
         p, n = c['tile']
+        handed = 0
         for f, m in enumerate(c['walk']):
             if f % reducers != r:
                 continue
+            mine = False
+            if not deterministic:  # claim before the fill is ready (one compare-and-swap), or wait for the store
+                mine = counters[(p, m)] == 0
+                if mine:
+                    counters[(p, m)] = 1
+                while not mine and counters[(p, m)] != 2: yield
+                yield
             while not c['full'][pair(f)].done(parity(f)): yield
             if deterministic:
                 while counters[(p, m)] != n: yield  # ascending order: the pair's key blocks 0 .. n - 1 added into m
-            assert c['slot'] == [f, False], f"tile {c['tile']}: reducer {r} read {c['slot']} for fill {f}"
-            c['slot'][1] = True
-            inflight.append((i, r, m))
-            c['pending'][r] += 1
+            if mine:  # the storer's, once it has taken the mailbox's last block
+                if handed:
+                    while not c['claim_empty'].done((handed - 1) & 1): yield
+                c['box'] = (f, m)
+                c['claim_full'].arrive()
+                handed += 1
+                continue
+            read_slot(c, f, r, m)
             yield
             c['empty'][pair(f)].arrive()
             if deterministic:
                 if mutation != "release_before_complete":
                     while c['pending'][r]: yield
                 counters[(p, m)] += 1
+        if not deterministic:  # the end mark
+            if handed:
+                while not c['claim_empty'].done((handed - 1) & 1): yield
+            c['box'] = None
+            c['claim_full'].arrive()
         while c['pending'][r]: yield
 
     progs, started = {}, 0
@@ -91,17 +142,30 @@ def run(key_blocks, m_blocks, resident, deterministic, seed, mutation=None, pair
         if started < len(tiles) and len({k[0] for k in progs}) < resident:
             i, (p, n) = started, tiles[started]
             started += 1
-            ctas[i] = dict(tile=(p, n), walk=list(range(m_blocks - 1, n - 1 if causal else -1, -1)), slot=None,
-                           pending=[0, 0], full=[MBar(), MBar()], empty=[MBar(), MBar()])
+            seen = list(range(n if causal else 0, m_blocks))
+            if deterministic:
+                walk = seen[::-1]
+            else:
+                start = seen.index(min(n, m_blocks - 1)) if seen else 0
+                walk = seen[start:] + seen[:start]
+            ctas[i] = dict(index=i, tile=(p, n), walk=walk, slot=None, pending={0: 0, 1: 0, 's': 0},
+                           full=[MBar(), MBar()], empty=[MBar(), MBar()], claim_full=MBar(), claim_empty=MBar(),
+                           box=None)
             progs[(i, 'c')] = consumers(i)
             for r in range(reducers):
                 progs[(i, r)] = reducer(i, r)
+            if not deterministic:
+                progs[(i, 's')] = storer(i)
             continue
         choices = list(progs) + (['done'] if inflight else [])
         ch = rng.choice(choices)
         if ch == 'done':
             i, r, m = inflight.pop(rng.randrange(len(inflight)))
             p, n = ctas[i]['tile']
+            if r == 's':
+                stores[(p, m)].append(n)
+            else:
+                assert deterministic or stores[(p, m)], f"pair {p}, query block {m}: an add landed before the store"
             landed[(p, m)].append(n)
             ctas[i]['pending'][r] -= 1
         else:
@@ -112,6 +176,8 @@ def run(key_blocks, m_blocks, resident, deterministic, seed, mutation=None, pair
     for (p, m), order in landed.items():
         if deterministic:
             assert order == sorted(order), f"pair {p}, query block {m}: additions landed in order {order}"
+        else:
+            assert len(stores[(p, m)]) == (1 if order else 0), f"pair {p}, query block {m}: stored {stores[(p, m)]}"
         assert sorted(order) == list(range(min(m, key_blocks - 1) + 1 if causal else key_blocks)), (p, m, order)
 
 

@@ -26,18 +26,10 @@ __host__ __device__ constexpr int sm90_block_m(int d) { return d == 64 ? 128 : k
 // Other head dims and the mma.sync kernels keep (copy, total_q, h, d) rows.
 __host__ __device__ constexpr bool sm90_dq_blocked(int d) { return d == 64 || d == 128; }
 constexpr int kDqBlockFloats = 128 * 64;
-// Whole blocks go to an accumulator nothing zeroes where the first add into a block stores it (bwd_sm90/kernel.cuh;
-// the D kernel then zeroes only the counters): in deterministic mode the order's first, else the first key block
-// to reach it (a compare-and-swap claims the block, the others add once its store is complete). d128 claims up to
-// kSm90ClaimMaxKeys keys: there the zeroing is a large part of a short backward (d128 causal 1k 1.07x faster
-// without it), while at 16k its claims cost more than the zeroing (0.976x; docs/design/backward-sm90.md).
-constexpr int kSm90ClaimMaxKeys = 1 << 30;
-__host__ __device__ constexpr bool sm90_claims_first_add(int d, int seqlen_k) {
-  return d == 64 || (d == 128 && seqlen_k <= kSm90ClaimMaxKeys);
-}
-__host__ __device__ constexpr bool sm90_first_add_stores(int d, bool deterministic, int seqlen_k) {
-  return sm90_dq_blocked(d) && (deterministic || sm90_claims_first_add(d, seqlen_k));
-}
+// Whole blocks go to an accumulator nothing zeroes: the first add into a block stores it (bwd_sm90/kernel.cuh;
+// the D kernel then zeroes only a counter per block): in deterministic mode the order's first, else the first key
+// block to reach it (a compare-and-swap claims the block, the others add once its store is complete).
+__host__ __device__ constexpr bool sm90_first_add_stores(int d) { return sm90_dq_blocked(d); }
 // Sequence b's first dQ block (`start`: its first row, as seq_rows gives it): dense b ceil(seqlen_q / M); varlen
 // its packed block (flash.h: packed_block0).
 __host__ __device__ inline int64_t dq_block0(const BwdParams& p, int b, int start, int block_m) {
@@ -107,7 +99,7 @@ struct WorkspaceLayout {
       dq_copy_floats = std::max(dq_copy_floats, size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h * kDqBlockFloats);
     }
     counters_offset = dq_offset + align(sizeof(float) * dq_copy_floats * dq_copies(p));
-    counters = sm90_first_add_stores(p.d, p.deterministic, p.seqlen_k) ? size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h
+    counters = sm90_first_add_stores(p.d) ? size_t(dq_blocks(p, sm90_block_m(p.d))) * p.h
                : p.deterministic        ? size_t(p.b) * p.h * ((p.seqlen_q + kSm90BlockM - 1) / kSm90BlockM)
                                         : 0;
     bytes = counters_offset + align(sizeof(int) * counters);

@@ -12,7 +12,8 @@
 //             consumer threads' arrivals once their last wgmma on it has retired. Warp 1, one lane: adds the dQ
 //             tile to the fp32 accumulator (d64 / d128: one bulk reduction of the whole block; else kD / 32 TMA
 //             reductions, cp.reduce.async.bulk.tensor) once its dq_full mbarrier completes, then releases it
-//             (dq_empty); in deterministic mode at d64 / d128, lane 0 of warp 2 takes every other step.
+//             (dq_empty); at d64 / d128 lane 0 of warp 2 takes every other step in deterministic mode, else it
+//             stores the blocks warp 1 claimed (the first add into a block stores it; nothing zeroes them).
 //   consumers (240 registers): warpgroup w owns keys 64w..64w+63. Per query block of kBlockM rows (d128 64,
 //   d64 128):
 //     S^T = K Q^T, dP^T = V dO^T             wgmma, both operands from smem
@@ -64,11 +65,12 @@ struct BwdSm90Traits {
   static constexpr int kColumns = kHeadDim;                      // of the tensors
   static constexpr int kBlockN = kDSplit ? 64 : 128, kBlockM = bwd::sm90_block_m(kHeadDim);
   static constexpr bool kDqBlocked = bwd::sm90_dq_blocked(kHeadDim);  // dQ in register order (bwd_config.h)
-  // The first add into a dQ block stores it (bwd_config.h: sm90_first_add_stores), claimed by the first key block
-  // whose tile is ready. The claimer's store goes to a storer lane of its own (lane 0 of warp 2), whose bulk group
-  // holds its stores alone: waiting for the store's completion in the reducer's group also waited for its earlier
-  // reductions (d128 0.91-0.95x, docs/design/backward-sm90.md).
-  static constexpr bool kClaimFirstAdd = kDqBlocked;  // the storer and its barriers (claims: at run time)
+  // Whole blocks: the first add into a dQ block stores it (bwd_config.h: sm90_first_add_stores). Outside
+  // deterministic mode the first key block to reach it claims it (one acquire compare-and-swap, issued before its
+  // tile is ready so that the round trip runs under the step) and hands the store to a storer lane (lane 0 of
+  // warp 2), whose bulk group holds stores alone: the wait for a store's completion in the reducer's own group also
+  // waited for its earlier reductions (docs/design/backward-sm90.md, "Claims at d128").
+  static constexpr bool kClaimFirstAdd = kDqBlocked;
   static_assert(!kDqBlocked || kBlockM * kD == bwd::kDqBlockFloats, "a dQ block is one query block");
   static constexpr int kDv = kDSplit ? kD / 2 : kD;  // columns of dK / dV a warpgroup holds
   static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
@@ -277,7 +279,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     sm90::regs_dealloc<Tr::kProducerRegs>();
     const int tma_b = p.cu_seqlens_q ? 0 : b;
     const int reducer = threadIdx.x / 32 - 1, reducers = ordered ? Tr::kReducers : 1;  // lanes 0 of warps 1, 2
-    const bool claims = Tr::kClaimFirstAdd && !ordered && bwd::sm90_claims_first_add(kHeadDim, p.seqlen_k);
+    const bool claims = Tr::kClaimFirstAdd && !ordered;
     volatile int64_t* claim_box = reinterpret_cast<volatile int64_t*>(smem_raw + (base - raw) + Tr::kClaim);
     // The storer (claims: lane 0 of warp 2): stores each block the reducer claimed, frees its slot once read and
     // releases its counter (1 -> 2) once written, for the other key blocks' adds; until the reducer's end mark.
@@ -310,11 +312,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
         if (it % reducers != reducer) continue;  // the other reducer's step
         const int m = walk.m(), head = walk.head;
         // Whole blocks (d64 / d128): block (query block, head) of the accumulator, and its counter where the first
-        // add stores (bwd::sm90_first_add_stores): deterministic mode counts the adds, the claim has 0
-        // untouched, 1 being stored, 2 stored. Else (d256, d512) a counter per (batch, head, query block) in
-        // deterministic mode only.
+        // add stores (bwd::sm90_first_add_stores): deterministic mode counts the adds; claims leave 0 untouched,
+        // 1 being stored, 2 stored. Else (d256, d512) a counter per (batch, head, query block) in deterministic
+        // mode only.
         const int64_t acc_block = Tr::kDqBlocked ? (bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head : 0;
-        int* counter = bwd::sm90_first_add_stores(kHeadDim, ordered, p.seqlen_k) ? dq_counters + acc_block
+        int* counter = bwd::sm90_first_add_stores(kHeadDim) ? dq_counters + acc_block
                        : ordered ? dq_counters + (int64_t(b) * p.h + head) * m_blocks + m
                                  : nullptr;
         bool store = false;

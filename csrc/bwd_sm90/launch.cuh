@@ -20,7 +20,7 @@ cudaError_t launch(const BwdParams& p, cudaStream_t stream) {
   bwd::BwdWorkspace ws(p);
   ws.copies = 1;  // one dQ accumulator (deterministic mode orders the additions instead: kernel.cuh)
   // The first add into a dQ block stores it (kernel.cuh): only the counters start at zero.
-  if (bwd::sm90_first_add_stores(kHeadDim, p.deterministic, p.seqlen_k)) ws.zero_counters_only();
+  if (bwd::sm90_first_add_stores(kHeadDim)) ws.zero_counters_only();
   const bool varlen = p.cu_seqlens_q != nullptr;
   // A varlen tensor is one batch of its total rows.
   const int batches = varlen ? 1 : p.b, rows_q = varlen ? p.total_q : p.seqlen_q;
