@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       return;
     }
     if (threadIdx.x % 32 == 0 && reducer >= 0 && reducer < reducers) {
-      tile::grid_dependency_wait();  // the accumulator was zeroed before the prologue's kernels
+      tile::grid_dependency_wait();  // the prologue zeroed the counters (d256 / d512: the accumulator)
       // Rows past a dense batch's seqlen_q fall outside the map (dropped); varlen rows past a sequence add 0.
       const int row0 = p.cu_seqlens_q ? seq.ws0 : 0;
       auto walk = walk0;
