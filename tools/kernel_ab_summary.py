@@ -1,8 +1,8 @@
 """The summary of tools/kernel_ab.sh's rounds: reads their CSV (TAG,case,backend,ms,tflops lines of
 tools/kernel_ab.py, builds alternating), prints the table (median ms per case and build, new / each variant, the
 same divided by each process's own cuDNN time, deterministic / default, cuDNN / new, the widest round-to-round
-spread) and appends the rows in benchmarks/results.csv's columns to AB_ROWS (bench "kernel_ab <AB_PASS>", commit =
-the build's label from AB_LABELS).
+spread) and appends the rows in benchmarks/results.csv's columns to AB_ROWS if set (bench "kernel_ab <AB_PASS>",
+commit = the build's label from AB_LABELS).
 
     AB_PASS=bwd AB_ROWS=rows.csv AB_LABELS="new=abc1234 base=def5678" python tools/kernel_ab_summary.py ab_bwd.csv base
 
@@ -50,6 +50,8 @@ for case in dict.fromkeys(c for c, _ in t):
           + " ".join(f"{ms[x] / ms['new']:9.3f}" for x in builds[1:]) + " "
           + " ".join(f"{normed(case, x):9.3f}" for x in builds[1:]) + " "
           + " ".join(f"{ms[x[:-4]] / ms[x]:10.3f}" for x in dets) + f"  {ms['cudnn'] / ms['new']:9.3f}  {spread:5.1%}")
+if not os.environ.get("AB_ROWS"):  # the table only
+    raise SystemExit(0)
 from hf_flash.bench import results
 labels = dict(x.split("=", 1) for x in os.environ.get("AB_LABELS", "").split())
 env = results.environment()
