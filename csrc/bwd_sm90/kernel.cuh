@@ -70,7 +70,7 @@ struct BwdSm90Traits {
   // tile is ready so that the round trip runs under the step) and hands the store to a storer lane (lane 0 of
   // warp 2), whose bulk group holds stores alone: the wait for a store's completion in the reducer's own group also
   // waited for its earlier reductions (docs/design/backward-sm90.md, "Claims at d128").
-  static constexpr bool kClaimFirstAdd = kDqBlocked;
+  static constexpr bool kFirstAddStores = bwd::sm90_first_add_stores(kHeadDim);
   static_assert(!kDqBlocked || kBlockM * kD == bwd::kDqBlockFloats, "a dQ block is one query block");
   static constexpr int kDv = kDSplit ? kD / 2 : kD;  // columns of dK / dV a warpgroup holds
   static_assert(kBlockM % bwd::kSm90BlockM == 0, "the dQ-order counters (bwd_config.h) cover every query block");
@@ -121,7 +121,7 @@ struct BwdSm90Traits {
   static constexpr int kDStBytes = kBlockN * kBlockM * 2, kDqSlotBytes = kBlockM * kDqSlotCols * 4;
   static constexpr int kXBytes = kCluster ? kBlockN * kBlockM * 4 : 0;  // d512: the peer's partial S^T or dP^T
   static constexpr int kRowBytes = kBlockM * 4;
-  static constexpr int kBarCount = 1 + 2 * kStages + 2 * kDqBars + 2 * kOneDoStage + 2 * kCluster + 2 * kClaimFirstAdd;
+  static constexpr int kBarCount = 1 + 2 * kStages + 2 * kDqBars + 2 * kOneDoStage + 2 * kCluster + 2 * kFirstAddStores;
   static constexpr int kK = 0, kV = kKVBytes, kQ = 2 * kKVBytes, kDO = kQ + kStages * kQBytes,
                        kDSt = kDO + kDoStages * kQBytes, kDq = kDSt + kDStBuffers * kDStBytes,
                        kX = kDq + kDqSlots * kDqSlotBytes,
@@ -142,15 +142,16 @@ struct BwdSm90Traits {
 // blocks last first with the heads inner, so every key block of a pair reaches (head, m) at the same step whatever
 // its count of query blocks. With the heads outer, a causal pair's lighter key blocks finished a head sooner and
 // waited at the next one for the heavier blocks before them in the order, holding their SMs.
-// Outside deterministic mode the walk starts at the query block of the key block's diagonal (`rot` blocks past the
-// first) and wraps: causal key blocks start there anyway, and full attention's key blocks then reach a query block
-// at different steps instead of all at once (their dQ adds into one block and its claim, below, spread out).
+// Where blocks are claimed (d64 / d128 outside deterministic mode) the walk starts at the query block of the key
+// block's diagonal (`rot` blocks past the first) and wraps: causal key blocks start there anyway, and full
+// attention's key blocks then reach a query block at different steps instead of all at once (their claims of one
+// block, below, spread out).
 template <bool kMayWalkDown>
 struct QueryWalk {
   int head, mi;                         // the pair: query head, index among the key block's query blocks
   int head0, head_end, m_begin, m_count;
   bool deterministic;  // with kMayWalkDown (d128 without the bias): walks down, heads inner
-  int rot;             // 0 in deterministic mode (its order starts every key block at its first query block)
+  int rot;             // 0 without claims (deterministic mode's order starts every key block at its first block)
   __device__ __forceinline__ bool down() const { return kMayWalkDown && deterministic; }
   __device__ __forceinline__ int m() const {
     const int up = mi + rot;
@@ -238,8 +239,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   const int head0 = hk * groups;
   // (The bias's gradient is never deterministic, binding.cpp: its kernel keeps the ascending walk and a register.)
   using Walk = QueryWalk<kAscendingAdds && !kRelBias>;
+  const bool claims = Tr::kFirstAddStores && !ordered;  // the first key block to reach a dQ block stores it
   const Walk walk0{head0, 0, head0, head0 + groups, kb.m_begin, kb.m_count, ordered,
-                   ordered ? 0 : bwd::diagonal_offset<kBlockM>(p, seq, kb)};
+                   claims ? bwd::diagonal_offset<kBlockM>(p, seq, kb) : 0};
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
   // below).
   float* s_rel = reinterpret_cast<float*>(smem_raw + (base - raw) + Tr::kRel);
@@ -260,7 +262,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       sm90::mbar_init(do_full, 1);
       sm90::mbar_init(do_empty, Tr::kConsumerThreads);
     }
-    if (Tr::kClaimFirstAdd) {
+    if (Tr::kFirstAddStores) {
       sm90::mbar_init(claim_full, 1);
       sm90::mbar_init(claim_empty, 1);
     }
@@ -279,12 +281,11 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     sm90::regs_dealloc<Tr::kProducerRegs>();
     const int tma_b = p.cu_seqlens_q ? 0 : b;
     const int reducer = threadIdx.x / 32 - 1, reducers = ordered ? Tr::kReducers : 1;  // lanes 0 of warps 1, 2
-    const bool claims = Tr::kClaimFirstAdd && !ordered;
     volatile int64_t* claim_box = reinterpret_cast<volatile int64_t*>(smem_raw + (base - raw) + Tr::kClaim);
     // The storer (claims: lane 0 of warp 2): stores each block the reducer claimed, frees its slot once read and
     // releases its counter (1 -> 2) once written, for the other key blocks' adds; until the reducer's end mark.
     if (claims && threadIdx.x == 64) {
-      static_assert(!Tr::kClaimFirstAdd || Tr::kWgSlots == 1, "a claimed block is the one slot");
+      static_assert(!Tr::kFirstAddStores || Tr::kWgSlots == 1, "a claimed block is the one slot");
       for (int k = 0;; ++k) {
         sm90::mbar_wait(claim_full, k & 1);
         const int64_t acc_block = claim_box[0];
@@ -316,7 +317,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
         // 1 being stored, 2 stored. Else (d256, d512) a counter per (batch, head, query block) in deterministic
         // mode only.
         const int64_t acc_block = Tr::kDqBlocked ? (bwd::dq_block0(p, b, seq.q0, kBlockM) + m) * p.h + head : 0;
-        int* counter = bwd::sm90_first_add_stores(kHeadDim) ? dq_counters + acc_block
+        int* counter = Tr::kFirstAddStores ? dq_counters + acc_block
                        : ordered ? dq_counters + (int64_t(b) * p.h + head) * m_blocks + m
                                  : nullptr;
         bool store = false;
