@@ -323,8 +323,10 @@ def test_d512_softcap_and_deterministic_run_mma_sync(monkeypatch):
 
 # (d, window (left, right), sequence lengths (q, k) per batch row, varlen): several key and query blocks, fully
 # masked rows (causal with sq > sk), a sliding window, a local window on both sides (the first key block adding
-# into a query block is not block 0), GQA 4/2.
+# into a query block is not block 0), GQA 4/2. d64 adds in descending order only in grids of two waves or more (one
+# CTA an SM; kernel.cuh): the 4 x 4500 case's 288 CTAs are that on GPUs of up to 144 SMs, the others are under.
 DET_SM90_CASES = [(64, (-1, 0), [(1100, 1000), (1100, 1000)], False),
+                  (64, (-1, 0), [(4500, 4500)] * 4, False),
                   (128, (-1, -1), [(517, 1100), (517, 1100)], False),
                   (128, (-1, 0), [(1100, 1000), (300, 517), (1, 64)], True),
                   (64, (-1, -1), [(700, 300), (129, 1)], True),

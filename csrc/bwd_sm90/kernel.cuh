@@ -150,9 +150,9 @@ template <bool kMayWalkDown>
 struct QueryWalk {
   int head, mi;                         // the pair: query head, index among the key block's query blocks
   int head0, head_end, m_begin, m_count;
-  bool deterministic;  // with kMayWalkDown (d128 without the bias): walks down, heads inner
-  int rot;             // 0 without claims (deterministic mode's order starts every key block at its first block)
-  __device__ __forceinline__ bool down() const { return kMayWalkDown && deterministic; }
+  bool ascending;  // deterministic mode adding in ascending key-block order: walks down, heads inner
+  int rot;         // 0 without claims (deterministic mode's order starts every key block at its first block)
+  __device__ __forceinline__ bool down() const { return kMayWalkDown && ascending; }
   __device__ __forceinline__ int m() const {
     const int up = mi + rot;
     return m_begin + (down() ? m_count - 1 - mi : up < m_count ? up : up - m_count);
@@ -223,11 +223,14 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // walking its query blocks last first, heads inner (QueryWalk): every key block of a pair reaches (head, m) at the
   // same step.
   // d64 and d256 add in descending order with the grid reversed, walking up from the diagonal: each key block reaches
-  // m one step after the one it waits for, which measured 2-5% faster than ascending at causal d64 shapes
-  // (docs/design/backward-sm90.md).
-  constexpr bool kAscendingAdds = kD == 128;
+  // m one step after the one it waits for, 6-12% faster than ascending at causal d64 shapes of many waves
+  // (docs/design/backward-sm90.md). But it starts the lightest causal blocks first, so a grid of under two waves (one
+  // CTA an SM) ends on its heaviest: there d64 adds in ascending order (SmolLM2-sized calls 0.78 -> 0.96 of the
+  // default).
+  constexpr bool kMayAscend = kD <= 128;
   const bool ordered = p.deterministic;
-  const int block = ordered && !kAscendingAdds ? n_blocks - 1 - cta.block : cta.block;
+  const bool ascending = kD == 64 ? int(gridDim.x) < 2 * p.num_sms : kD == 128;
+  const int block = ordered && !ascending ? n_blocks - 1 - cta.block : cta.block;
   const int hk = cta.pair % p.h_k, groups = p.h / p.h_k;
   const int b = packed ? packed_block_seq(p.cu_seqlens_k, p.b, p.total_k, block, kBlockN) : cta.pair / p.h_k;
   const bwd::Seq seq(p, b);
@@ -238,9 +241,9 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   const int iters = groups * kb.m_count;  // (query head, query block) pairs
   const int head0 = hk * groups;
   // (The bias's gradient is never deterministic, binding.cpp: its kernel keeps the ascending walk and a register.)
-  using Walk = QueryWalk<kAscendingAdds && !kRelBias>;
+  using Walk = QueryWalk<kMayAscend && !kRelBias>;
   const bool claims = Tr::kFirstAddStores && !ordered;  // the first key block to reach a dQ block stores it
-  const Walk walk0{head0, 0, head0, head0 + groups, kb.m_begin, kb.m_count, ordered,
+  const Walk walk0{head0, 0, head0, head0 + groups, kb.m_begin, kb.m_count, ordered && ascending,
                    claims ? bwd::diagonal_offset<kBlockM>(p, seq, kb) : 0};
   // d rel_bias sums of one query head and the warps' staging rows, after the mbarriers (zeroed before the barrier
   // below).
@@ -322,7 +325,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
                                  : nullptr;
         bool store = false;
         if (ordered) {  // deterministic: wait for the adds of the key blocks before this one in the order
-          const int before = kAscendingAdds ? n_block - bwd::first_key_block<kBlockN, kBlockM>(p, seq, m)
+          const int before = ascending ? n_block - bwd::first_key_block<kBlockN, kBlockM>(p, seq, m)
                                             : bwd::last_key_block<kBlockN, kBlockM>(p, seq, m) - n_block;
           sm90::counter_wait(counter, before);
           store = Tr::kDqBlocked && before == 0;
