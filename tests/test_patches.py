@@ -287,3 +287,27 @@ def test_extended_padding_mask_becomes_2d_or_refuses():
         padding_mask_from_extended(torch.randn(2, 1, 1, 5))
     with pytest.raises(UnsupportedAttentionError, match="extended padding mask"):
         padding_mask_from_extended(torch.zeros(2, 1, 5, 5))
+
+
+def test_checkout_without_install_finds_patches(tmp_path):
+    """A checkout run from its root without installing (PYTHONPATH=.) has no hf_flash/patches (pyproject.toml maps
+    patches/ there at install): the package imports it from beside itself (hf_flash/__init__.py)."""
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "hf_flash", tmp_path / "hf_flash", ignore=shutil.ignore_patterns("patches", "__pycache__"))
+    for folder in ("patches", "csrc"):
+        shutil.copytree(root / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    # An editable install's finder would map hf_flash.patches to this checkout's patches/: drop it, as a machine
+    # with the checkout alone has none.
+    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, '__name__', '') != '_EditableFinder']; "
+            "import importlib, hf_flash; print(hf_flash.patches.__file__); "
+            "print(importlib.import_module('hf_flash.patches.t5').__file__); print(hf_flash.patch.__module__)")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split()
+    assert lines[:2] == [str(tmp_path / "patches" / "__init__.py"), str(tmp_path / "patches" / "t5.py")], out.stdout
+    assert lines[2] == "hf_flash.patches"

@@ -8,9 +8,6 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=${HF_FLASH_CUDA_ARCHS:-90a}  # sm_80 is compile-checked off-device
 cd "$(dirname "$0")/.." && export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-# pyproject installs top-level patches/ as hf_flash.patches; mirror that for the uninstalled checkout
-# (the one place that links it for this checkout; tools/kernel_ab.sh builds through this script).
-[ -e hf_flash/patches ] || ln -s ../patches hf_flash/patches
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi

@@ -27,8 +27,9 @@ for pass in $PASS; do
   TESTS+=$([ "$pass" = fwd ] && echo " tests/test_kernels_fwd.py tests/test_kernels_fwd_sm90.py" || echo " tests/test_kernels_bwd.py")
 done
 start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
-# This checkout builds (and links hf_flash/patches) through tools/gpu_check.sh; the variants are other
-# checkouts, possibly older than it, so they build with setup.py and get the link here.
+# This checkout builds through tools/gpu_check.sh; the variants are other checkouts, possibly older than it, so
+# they build with setup.py and get hf_flash/patches linked here (this package finds patches/ beside itself:
+# hf_flash/__init__.py; older ones needed the link).
 (STAGES=build OUT="$OUT/new" bash tools/gpu_check.sh > "$OUT/build_new.log" 2>&1; echo "new rc=$?" > "$OUT/new.rc") &
 # variants may be older checkouts: those with a setup.py build with it
 build() { if [ -f setup.py ]; then python3 setup.py build_ext --inplace; else python3 -m hf_flash build; fi; }
