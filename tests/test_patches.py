@@ -6,6 +6,9 @@ import copy
 import inspect
 import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -292,10 +295,6 @@ def test_extended_padding_mask_becomes_2d_or_refuses():
 def test_checkout_without_install_finds_patches(tmp_path):
     """A checkout run from its root without installing (PYTHONPATH=.) has no hf_flash/patches (pyproject.toml maps
     patches/ there at install): the package imports it from beside itself (hf_flash/__init__.py)."""
-    import shutil
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parents[1]
     shutil.copytree(root / "hf_flash", tmp_path / "hf_flash", ignore=shutil.ignore_patterns("patches", "__pycache__"))
     for folder in ("patches", "csrc"):

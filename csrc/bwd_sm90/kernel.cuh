@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
   // default).
   constexpr bool kMayAscend = kD <= 128;
   const bool ordered = p.deterministic;
-  const bool ascending = kD == 64 ? int(gridDim.x) < 2 * p.num_sms : kD == 128;
+  const bool ascending = kMayAscend && (kD == 128 || int(gridDim.x) < 2 * p.num_sms);
   const int block = ordered && !ascending ? n_blocks - 1 - cta.block : cta.block;
   const int hk = cta.pair % p.h_k, groups = p.h / p.h_k;
   const int b = packed ? packed_block_seq(p.cu_seqlens_k, p.b, p.total_k, block, kBlockN) : cta.pair / p.h_k;
