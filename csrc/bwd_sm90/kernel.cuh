@@ -539,15 +539,18 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // softcap kernels have no registers for that (ptxas spilled 172 bytes): they load their first 2 groups here, the
     // rest in the pass.
     constexpr bool kShuffle = Tr::kOnePass && kScores == Scores::kPlain;
+    // EXPERIMENT: the d64 bias kernel's one-column warps shuffle too; its diagonal warps load every group.
+    constexpr bool kSatShuffle = Tr::kOnePass && kRelBias;
+    constexpr bool kPreShuffled = kShuffle || kSatShuffle;
     constexpr int kLoaded = Tr::kOnePass ? 2 : kBlockM / 8;
     float2 lse2_pre[kLoaded], dsum_pre[kLoaded] = {};  // (d128 sets dsum_pre after dV's issue)
     auto lse2_load = [&](int j) { return *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t); };
     auto dsum_load = [&](int j) { return *reinterpret_cast<const float2*>(dsum_st + 8 * j + 2 * t); };
 #pragma unroll
-    for (int i = 0; i < kLoaded; ++i) lse2_pre[i] = lse2_load(kShuffle ? g + 8 * i : i);
+    for (int i = 0; i < kLoaded; ++i) lse2_pre[i] = lse2_load(kPreShuffled ? g + 8 * i : i);
     if constexpr (Tr::kOnePass) {
 #pragma unroll
-      for (int i = 0; i < kLoaded; ++i) dsum_pre[i] = dsum_load(kShuffle ? g + 8 * i : i);
+      for (int i = 0; i < kLoaded; ++i) dsum_pre[i] = dsum_load(kPreShuffled ? g + 8 * i : i);
     }
 
     // S^T = K Q^T and dP^T = V dO^T over d (this warpgroup's 64 key rows of K / V, all query rows of Q / dO),
@@ -592,12 +595,14 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       const int src = 4 * (j % 8) + t;
       return make_float2(__shfl_sync(~0u, v.x, src), __shfl_sync(~0u, v.y, src));
     };
-    auto lse2_of = [&](int j) {
-      if constexpr (kShuffle) return shuffled(lse2_pre[j / 8], j);
+    auto lse2_of = [&](auto sat, int j) {
+      if constexpr (kShuffle || (kSatShuffle && decltype(sat)::value)) return shuffled(lse2_pre[j / 8], j);
+      else if constexpr (kSatShuffle) return lse2_load(j);
       else return j < kLoaded ? lse2_pre[j] : lse2_load(j);
     };
-    auto dsum_of = [&](int j) {
-      if constexpr (kShuffle) return shuffled(dsum_pre[j / 8], j);
+    auto dsum_of = [&](auto sat, int j) {
+      if constexpr (kShuffle || (kSatShuffle && decltype(sat)::value)) return shuffled(dsum_pre[j / 8], j);
+      else if constexpr (kSatShuffle) return dsum_load(j);
       else return j < kLoaded ? dsum_pre[j] : dsum_load(j);
     };
     // Softcap: the logits of group j capped in place (softcap tanh(s scale / softcap); the scale is then log2(e)), and
@@ -696,7 +701,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       }
       by_column([&](auto sat) {
         rel_pass(sat, [&](int j, auto&& rel_step) {
-          const float2 l2 = lse2_of(j), dsc = dsum_of(j);
+          const float2 l2 = lse2_of(sat, j), dsc = dsum_of(sat, j);
           float ds[4], dtanh[4];
           cap_logits(j, dtanh);
 #pragma unroll
@@ -715,7 +720,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       by_column([&](auto sat) {
 #pragma unroll
         for (int j = 0; j < kBlockM / 8; ++j) {
-          const float2 l2 = lse2_of(j);
+          const float2 l2 = lse2_of(sat, j);
           float dtanh[4];
           cap_logits(j, dtanh);
 #pragma unroll
@@ -738,7 +743,7 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       exchange(dp, 2 * it + 1);
       by_column([&](auto sat) {
         rel_pass(sat, [&](int j, auto&& rel_step) {
-          const float2 dsc = dsum_of(j);
+          const float2 dsc = dsum_of(sat, j);
           float ds[4];
 #pragma unroll
           for (int r = 0; r < 4; ++r) ds[r] = grad_logit(j, r, dsc);
