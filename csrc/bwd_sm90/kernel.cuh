@@ -535,13 +535,12 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
     // samples, ncu). Column group j (rows 8 j + 2 t, + 1) is needed by the 8 lanes of one t. d128 loads all 8 groups
     // of LSE (its D loads go under dV's issue). d64 (16 groups, one pass) loads groups g and g + 8 of both and takes
     // group j from lane 4 (j % 8) + t with shuffles (kShuffle): 8 lanes loading the same values made 268 M
-    // shared-memory wavefronts at full 16k, 18% of the kernel's (docs/design/backward-sm90.md). The d64 bias and
-    // softcap kernels have no registers for that (ptxas spilled 172 bytes): they load their first 2 groups here, the
-    // rest in the pass.
+    // shared-memory wavefronts at full 16k, 18% of the kernel's (docs/design/backward-sm90.md). The d64 bias kernel
+    // shuffles in its one-column warps (kSatShuffle; T5's encoder at 4 x 4096 1.04x), its diagonal warps load each
+    // group in the pass (shuffling there too, ptxas spilled 172 bytes); the d64 softcap kernel loads its first 2
+    // groups here, the rest in the pass.
     constexpr bool kShuffle = Tr::kOnePass && kScores == Scores::kPlain;
-    // EXPERIMENT: the d64 bias kernel's one-column warps shuffle too; its diagonal warps load every group.
-    constexpr bool kSatShuffle = Tr::kOnePass && kRelBias;
-    constexpr bool kPreShuffled = kShuffle || kSatShuffle;
+    constexpr bool kSatShuffle = Tr::kOnePass && kRelBias, kPreShuffled = kShuffle || kSatShuffle;
     constexpr int kLoaded = Tr::kOnePass ? 2 : kBlockM / 8;
     float2 lse2_pre[kLoaded], dsum_pre[kLoaded] = {};  // (d128 sets dsum_pre after dV's issue)
     auto lse2_load = [&](int j) { return *reinterpret_cast<const float2*>(lse_st + 8 * j + 2 * t); };
@@ -595,16 +594,14 @@ __global__ void __launch_bounds__(BwdSm90Traits<kIsBf16, kHeadDim, kScores == Sc
       const int src = 4 * (j % 8) + t;
       return make_float2(__shfl_sync(~0u, v.x, src), __shfl_sync(~0u, v.y, src));
     };
-    auto lse2_of = [&](auto sat, int j) {
-      if constexpr (kShuffle || (kSatShuffle && decltype(sat)::value)) return shuffled(lse2_pre[j / 8], j);
-      else if constexpr (kSatShuffle) return lse2_load(j);
-      else return j < kLoaded ? lse2_pre[j] : lse2_load(j);
+    // Group j of the rows' LSE (pre = lse2_pre, load = lse2_load) or D, in a one-column warp (sat) or not.
+    auto group_of = [&](auto sat, const auto& pre, auto load, int j) {
+      if constexpr (kShuffle || (kSatShuffle && decltype(sat)::value)) return shuffled(pre[j / 8], j);
+      else if constexpr (kSatShuffle) return load(j);  // pre holds groups g, g + 8: of no use without shuffles
+      else return j < kLoaded ? pre[j] : load(j);
     };
-    auto dsum_of = [&](auto sat, int j) {
-      if constexpr (kShuffle || (kSatShuffle && decltype(sat)::value)) return shuffled(dsum_pre[j / 8], j);
-      else if constexpr (kSatShuffle) return dsum_load(j);
-      else return j < kLoaded ? dsum_pre[j] : dsum_load(j);
-    };
+    auto lse2_of = [&](auto sat, int j) { return group_of(sat, lse2_pre, lse2_load, j); };
+    auto dsum_of = [&](auto sat, int j) { return group_of(sat, dsum_pre, dsum_load, j); };
     // Softcap: the logits of group j capped in place (softcap tanh(s scale / softcap); the scale is then log2(e)), and
     // d cap / d s / scale = 1 - tanh^2 into dtanh, which dS^T takes on (the P^T of dV stays uncapped by it).
     [[maybe_unused]] const float scale_over_cap = kSoftcap ? p.softmax_scale / p.softcap : 0.f;
