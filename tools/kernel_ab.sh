@@ -16,6 +16,7 @@
 # (ab_bwd.csv, ab_fwd.csv); HF_FLASH_DISABLE_SM90=1 times the mma.sync kernels; AB_SUSTAIN=1.6 times each call for
 # 1.6 s at the clock the power limit leaves (tools/kernel_ab.py), as a training run sees it (~2 s a case and backend
 # a round: name the cases with AB_CASES).
+# AB_TESTS="tests/test_kernels_rel_bias.py" adds test files to the new build's tests.
 set -o pipefail
 export PYTHONUNBUFFERED=1 HF_FLASH_CUDA_ARCHS=90a
 cd "$(dirname "$0")/.." && ROOT=$PWD
@@ -26,6 +27,7 @@ TESTS=""
 for pass in $PASS; do
   TESTS+=$([ "$pass" = fwd ] && echo " tests/test_kernels_fwd.py tests/test_kernels_fwd_sm90.py" || echo " tests/test_kernels_bwd.py")
 done
+TESTS+=" ${AB_TESTS:-}"
 start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 # This checkout builds through tools/gpu_check.sh; the variants are other checkouts, possibly older than it, so
 # they build with setup.py and get hf_flash/patches linked here (this package finds patches/ beside itself:
