@@ -17,6 +17,7 @@ import argparse
 import csv
 import io
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -111,12 +112,16 @@ def main(argv=None) -> int:
     if args.child:
         _child(args)
         return 0
+    ncu = shutil.which("ncu") or "/usr/local/cuda/bin/ncu"
+    if not os.path.exists(ncu):
+        print("ncu_compare: Nsight Compute's `ncu` is neither on PATH nor in /usr/local/cuda/bin", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kernels = {}
     for backend in args.backends.split(","):
         report = out / backend
-        cmd = ["ncu", "--profile-from-start", "off", "--set", args.section_set, "--clock-control",
+        cmd = [ncu, "--profile-from-start", "off", "--set", args.section_set, "--clock-control",
                args.clock_control, "--export", str(report), "--force-overwrite", sys.executable,
                os.path.abspath(__file__), "--child", backend, "--shape", ",".join(map(str, args.shape)),
                "--mode", args.mode, *(["--causal"] if args.causal else [])]
@@ -126,7 +131,7 @@ def main(argv=None) -> int:
         if proc.returncode != 0:
             print(f"[ncu] {backend} failed (rc {proc.returncode}); see {out / (backend + '.log')}", file=sys.stderr)
             continue
-        raw = subprocess.run(["ncu", "--import", f"{report}.ncu-rep", "--csv", "--page", "raw"],
+        raw = subprocess.run([ncu, "--import", f"{report}.ncu-rep", "--csv", "--page", "raw"],
                              capture_output=True, text=True, check=True).stdout
         kernels[backend] = longest_kernel(raw)
     if not kernels:
