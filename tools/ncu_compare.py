@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         return 1
     rows = table(kernels, args.metrics.split(","))
     with open(out / "ncu.csv", "w", newline="") as f:
-        csv.writer(f).writerows([["metric", *kernels], *rows[1:]])
+        csv.writer(f).writerows([["metric", *kernels], *rows])
     width = max(len(r[0]) for r in rows)
     print(f"{'':{width}}  " + "  ".join(f"{b:>20}" for b in kernels))
     for r in rows:
