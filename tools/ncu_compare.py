@@ -56,19 +56,11 @@ def _child(args) -> None:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from hf_flash.bench import backends
+    from hf_flash.bench import kernels  # the kernel benchmark's inputs and timed calls, one case
 
-    b, s, h, hk, d = args.shape
-    fn = backends.dense(args.child, args.causal)
-    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-
-    out = fn(q, k, v)
-    if args.mode == "fwd":
-        run = lambda: fn(q, k, v)  # noqa: E731
-    else:
-        run = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+    case = kernels.Case("ncu", *args.shape, args.causal)
+    inputs = kernels._inputs(case, torch.bfloat16)
+    run = kernels._call(args.mode, kernels._attention(args.child, case), inputs, torch.randn_like(inputs["q"]))
     for _ in range(3):
         run()
     torch.cuda.synchronize()
