@@ -2,18 +2,23 @@
 shape: runs ``ncu`` on this script once per backend (child mode: warm-up calls, then one profiled call between
 cudaProfilerStart / Stop), keeps each report's longest kernel (the main forward or backward kernel, not the
 pre / post-processing ones) and prints their metrics side by side: time, cycles, instructions, the tensor pipe,
-shared-memory wavefronts and the warps' stall reasons.
+shared-memory wavefronts and the warps' stall reasons. Then, from each report's SASS page (``--set full``'s source
+counters), where that kernel's warps stalled: the stall samples by reason and by instruction opcode, side by side
+(the table that located the d128 backward's gap to FA4 in the exponentials and the LSE / D loads' waits:
+docs/design/backward-sm90.md, "Profile against FA4 at causal 16k").
 
     python tools/ncu_compare.py --shape 1,16384,16,16,128 --causal --mode bwd --out $OUT/ncu
     python tools/ncu_compare.py --shape 2,4096,32,8,128 --causal --backends hf_flash,fa4 --metrics wavefronts
 
 ``--shape`` is batch, seqlen, heads, kv heads, head dim; ``--clock-control none`` profiles at the clock the
 GPU runs (ncu locks the base clock by default). Reports (``<backend>.ncu-rep``) and the table (``ncu.csv``) go to
-``--out``; open a report with ``ncu --import``.
+``--out``, with ``stalls.csv`` (opcode, backend, reason, samples) and each kernel's SASS with its samples
+(``<backend>.sass.csv``); open a report with ``ncu --import``.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import io
 import os
@@ -87,6 +92,99 @@ def _number(value: str | None) -> float | None:
         return None
 
 
+def source_sections(text: str) -> list[tuple[str, list[dict[str, str]]]]:
+    """(kernel name, SASS rows) per kernel of ``ncu --import R --csv --page source --print-source sass``, whose
+    kernels each start with a '"Kernel Name","<name>"' line followed by their own CSV table."""
+    sections: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        if line.startswith('"Kernel Name"'):
+            sections.append((next(csv.reader([line]))[1], []))
+        elif sections:
+            sections[-1][1].append(line)
+    return [(name, list(csv.DictReader(lines))) for name, lines in sections]
+
+
+def _samples(row: dict[str, str]) -> float:
+    return _number(row.get("Warp Stall Sampling (All Samples)")) or 0.0
+
+
+def busiest(sections: list[tuple[str, list[dict[str, str]]]]) -> tuple[str, list[dict[str, str]]]:
+    """The kernel with the most stall samples (the longest one; the source page names kernels unlike the raw
+    page, so they are not matched by name)."""
+    if not sections:
+        raise ValueError("no kernel in the source page (was the report taken with source counters, --set full?)")
+    return max(sections, key=lambda sec: sum(_samples(r) for r in sec[1]))
+
+
+def opcode(sass: str) -> str:
+    """An instruction's opcode and first modifier ("@!P0 BRA 0x..." -> "BRA", "HGMMA.64x64x16.F32.BF16 ..." ->
+    "HGMMA.64x64x16"): one line per kind of instruction, shapes apart."""
+    words = sass.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return ".".join(words[0].split(".")[:2]) if words else "?"
+
+
+def stalls(rows: list[dict[str, str]]) -> dict[str, collections.Counter]:
+    """Samples by opcode and stall reason (ncu's "stall_<reason>" columns, the not-issued ones left out)."""
+    out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for r in rows:
+        op = opcode(r.get("Source", ""))
+        for key, value in r.items():
+            if key and key.startswith("stall_") and "Not Issued" not in key:
+                out[op][key[len("stall_"):]] += _number(value) or 0.0
+    return out
+
+
+def stall_table(by_backend: dict[str, dict[str, collections.Counter]], top: int = 20) -> list[list[str]]:
+    """Rows: each reason's share of a backend's samples, then the ``top`` opcodes by their most-sampled backend,
+    each cell "samples (the reasons over 20% of them)"."""
+    backends = list(by_backend)
+    totals = {b: sum((c for c in by_backend[b].values()), collections.Counter()) for b in backends}
+    grand = {b: sum(totals[b].values()) or 1.0 for b in backends}
+    reasons = sorted({k for t in totals.values() for k in t}, key=lambda k: -max(totals[b][k] for b in backends))
+    rows = [["all samples", *(f"{grand[b]:.0f}" for b in backends)]]
+    rows += [[f"  {k}", *(f"{100 * totals[b][k] / grand[b]:.1f}%" for b in backends)]
+             for k in reasons if any(totals[b][k] for b in backends)]
+    ops = sorted({op for b in backends for op in by_backend[b]},
+                 key=lambda op: -max(sum(by_backend[b].get(op, {}).values()) for b in backends))
+    for op in ops[:top]:
+        cells = []
+        for b in backends:
+            c = by_backend[b].get(op, collections.Counter())
+            n = sum(c.values())
+            main = ", ".join(f"{k} {v:.0f}" for k, v in c.most_common() if n and v > 0.2 * n)
+            cells.append(f"{n:.0f} ({main})" if n else "-")
+        rows.append([op, *cells])
+    return rows
+
+
+def _source(ncu: str, report: Path, out: Path, backend: str) -> dict[str, collections.Counter] | None:
+    """The busiest kernel's stall samples by opcode from ``report``; its SASS rows to <backend>.sass.csv."""
+    proc = subprocess.run([ncu, "--import", f"{report}.ncu-rep", "--csv", "--page", "source", "--print-source",
+                           "sass"], capture_output=True, text=True)
+    try:
+        name, rows = busiest(source_sections(proc.stdout))
+    except ValueError as e:
+        print(f"[ncu] {backend}: {e}", file=sys.stderr)
+        return None
+    with open(out / f"{backend}.sass.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["kernel", name])
+        w.writerow(["address", "sass", "samples", "executed"])
+        w.writerows([r.get("Address"), r.get("Source", "").strip(), _samples(r), r.get("Instructions Executed")]
+                    for r in rows)
+    return stalls(rows)
+
+
+def _print(rows: list[list[str]], header: list[str]) -> None:
+    width = max(len(r[0]) for r in rows)
+    cell = max(20, *(len(v) for r in rows for v in r[1:]))
+    print(f"{'':{width}}  " + "  ".join(f"{b:>{cell}}" for b in header))
+    for r in rows:
+        print(f"{r[0]:{width}}  " + "  ".join(f"{v:>{cell}}" for v in r[1:]))
+
+
 def table(kernels: dict[str, dict[str, str]], fragments: list[str]) -> list[list[str]]:
     """Rows [metric, value per backend] for every metric whose name contains one of ``fragments`` in any
     backend's kernel, the kernel names first."""
@@ -110,7 +208,7 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kernels = {}
+    kernels, sources = {}, {}
     for backend in args.backends.split(","):
         report = out / backend
         cmd = [ncu, "--profile-from-start", "off", "--set", args.section_set, "--clock-control",
@@ -126,15 +224,22 @@ def main(argv=None) -> int:
         raw = subprocess.run([ncu, "--import", f"{report}.ncu-rep", "--csv", "--page", "raw"],
                              capture_output=True, text=True, check=True).stdout
         kernels[backend] = longest_kernel(raw)
+        by_op = _source(ncu, report, out, backend)
+        if by_op is not None:
+            sources[backend] = by_op
     if not kernels:
         return 1
     rows = table(kernels, args.metrics.split(","))
     with open(out / "ncu.csv", "w", newline="") as f:
         csv.writer(f).writerows([["metric", *kernels], *rows])
-    width = max(len(r[0]) for r in rows)
-    print(f"{'':{width}}  " + "  ".join(f"{b:>20}" for b in kernels))
-    for r in rows:
-        print(f"{r[0]:{width}}  " + "  ".join(f"{v:>20}" for v in r[1:]))
+    _print(rows, list(kernels))
+    if sources:
+        with open(out / "stalls.csv", "w", newline="") as f:
+            csv.writer(f).writerows([["opcode", "backend", "reason", "samples"]] +
+                                    [[op, b, k, v] for b, by_op in sources.items() for op, c in sorted(by_op.items())
+                                     for k, v in sorted(c.items()) if v])
+        print("\nstall samples of the main kernel: by reason (share), by opcode (samples, the main reasons)")
+        _print(stall_table(sources), list(sources))
     return 0
 
 
