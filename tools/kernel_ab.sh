@@ -31,7 +31,10 @@ TESTS+=" ${AB_TESTS:-}"
 start=$(date +%s); stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 # A device call brings back 8 files: on exit the build logs, exit codes and stderr go into one archive
 # (logs.tgz), leaving it beside tests.log, ab_<pass>.csv and rows_<pass>.csv.
-pack() { (cd "$OUT" && tar czf logs.tgz --remove-files $(ls -d build_*.log ./*.rc ab.err new 2>/dev/null)); }
+pack() {
+  local logs; logs=$(cd "$OUT" && ls -d build_*.log ./*.rc ab.err new 2>/dev/null)
+  [ -z "$logs" ] || (cd "$OUT" && tar czf logs.tgz --remove-files $logs)
+}
 trap pack EXIT
 # This checkout builds through tools/gpu_check.sh; the variants are other checkouts, possibly older than it, so
 # they build with setup.py and get hf_flash/patches linked here (this package finds patches/ beside itself:
