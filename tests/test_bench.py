@@ -109,6 +109,40 @@ def test_interleaved_train_takes_turns(monkeypatch):
     assert steps == ["hf_flash"] * (warm + 1) + ["sdpa"] * (warm + 1) + ["sdpa"] * (warm + 1) + ["hf_flash"] * (warm + 1)
 
 
+def test_train_turns_in_processes(monkeypatch):
+    """--processes: every turn a child process of this benchmark (one backend, one round, one model), the order
+    rotated per round; medians and spreads from the children's e2e.csv rows; a failing child is an error row."""
+    import subprocess
+
+    from hf_flash.bench import e2e
+    from hf_flash.bench.kernels import write_csv
+
+    calls, speed, real_run = [], {"hf_flash": [110.0, 100.0, 130.0], "sdpa": [90.0, 95.0, 80.0]}, subprocess.run
+
+    def run(cmd, **kwargs):
+        if "hf_flash.bench" not in cmd:  # git, asked for the commit by the CSV's environment
+            return real_run(cmd, **kwargs)
+        args = dict(zip(cmd[4::2], cmd[5::2]))  # python -m hf_flash.bench e2e --flag value ...
+        backend = cmd[cmd.index("--backends") + 1]
+        calls.append(backend)
+        assert cmd[1:4] == ["-m", "hf_flash.bench", "e2e"] and args["--rows"] == "tiny" and args["--rounds"] == "1"
+        assert "--one-at-a-time" in cmd and "--no-record" in cmd and "--skip-generate" in cmd
+        if backend == "broken":
+            return subprocess.CompletedProcess(cmd, 1, "", "Traceback ...\nValueError: head dim 80 is not supported")
+        tokens = speed[backend][sum(c == backend for c in calls) - 1]
+        write_csv([e2e.Row("train", "tiny", backend, tokens, 1.5 + tokens / 1000)], cmd[cmd.index("--out") + 1],
+                  "e2e.csv")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(e2e.subprocess, "run", run)
+    rows = e2e.measure_train_processes(["hf_flash", "sdpa", "broken"], "tiny", layers=1, rounds=3, steps=2)
+    assert calls == ["hf_flash", "sdpa", "broken", "sdpa", "hf_flash", "hf_flash", "sdpa"]
+    assert [r.backend for r in rows] == ["hf_flash", "sdpa", "broken"]
+    assert (rows[0].tokens_per_s, rows[0].spread, rows[0].peak_gib) == (110.0, 30.0, 1.5 + 0.13)
+    assert (rows[1].tokens_per_s, rows[1].spread) == (90.0, 15.0)
+    assert "head dim 80 is not supported" in rows[2].error and not rows[0].error
+
+
 def test_no_attention_bound_trains_and_is_never_the_best_other():
     """The e2e bound: a model whose attention layers return V trains (gradients reach the layers through V), and
     the summary ranks hf_flash against real backends only, printing the bound as the ceiling."""
@@ -150,6 +184,7 @@ def test_every_subcommand_parses_with_its_defaults():
     assert args.quick and args.mode == "fwd" and args.no_record and args.rounds == 5
     args = parser.parse_args(["e2e", "--rows", "smol-8x1024,1x32768", "--one-at-a-time", "--skip-generate"])
     assert args.rows == "smol-8x1024,1x32768" and args.one_at_a_time and args.skip_generate
+    assert parser.parse_args(["e2e", "--processes"]).processes
     args = parser.parse_args(["overhead", "--ops", "fwd,decode", "--calls", "20"])
     assert args.ops == "fwd,decode" and args.calls == 20
 

@@ -13,14 +13,20 @@ generate benchmark's 8 x 1024 + 128 case, dynamic cache.
 Times: per training row every backend's model is resident (when memory allows; on running out, the row is
 redone one model at a time, building each anew per round in rotated order); after warm-up steps,
 ``--rounds`` rounds in which the backends take turns, each turn ``--steps`` steps on the CUDA-synchronised
-wall clock; tokens/s = the median over rounds, spread = max - min. Writes e2e.csv and e2e.png to --out,
+wall clock; tokens/s = the median over rounds, spread = max - min. ``--processes``: every turn a process of
+its own (one model, a fresh interpreter, allocator and collector, order rotated per round), for host-bound
+models, whose steps depend on the state a long-lived process accumulates. Writes e2e.csv and e2e.png to --out,
 appends to the results file and prints a table last.
 """
 
 from __future__ import annotations
 
+import csv
 import gc
 import os
+import subprocess
+import sys
+import tempfile
 
 import torch
 
@@ -51,6 +57,8 @@ def add_arguments(parser) -> None:
                         help=f"timed training steps per turn (after {WARMUP_STEPS} warm-up steps)")
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="one model resident at a time (order rotated per round) instead of all")
+    parser.add_argument("--processes", action="store_true",
+                        help="every turn in a process of its own (order rotated per round; for host-bound models)")
     parser.add_argument("--skip-generate", action="store_true")
     parser.add_argument("--out", default="bench_out", help="directory for e2e.csv / e2e.png")
     results.add_arguments(parser)
@@ -164,6 +172,42 @@ def measure_train(backends: list[str], shape: str, layers: int, rounds: int = 3,
     return [rows[b] for b in backends]
 
 
+def _turn_in_process(backend: str, shape: str, layers: int, steps: int) -> Row:
+    """One turn in a fresh process: this benchmark with one backend, one model, one round (``_one_at_a_time``:
+    built, warmed up, ``steps`` steps timed); its row from the child's e2e.csv, or the child's error."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "hf_flash.bench", "e2e", "--rows", shape, "--backends", backend, "--rounds", "1",
+               "--steps", str(steps), "--layers", str(layers), "--one-at-a-time", "--skip-generate", "--no-record",
+               "--out", out]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        path = os.path.join(out, "e2e.csv")
+        if done.returncode != 0 or not os.path.exists(path):
+            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            return error_row("train", shape, backend, RuntimeError(f"child process: {last}"))
+        with open(path, newline="") as f:
+            row = next(r for r in csv.DictReader(f) if r["task"] == "train")
+    return Row("train", shape, backend, float(row["tokens_per_s"]), float(row["peak_gib"]), error=row["error"])
+
+
+def measure_train_processes(backends: list[str], shape: str, layers: int, rounds: int = 3,
+                            steps: int = 3) -> list[Row]:
+    """Every backend on one training shape, each turn in a process of its own (``_turn_in_process``), the
+    order rotated per round; tokens/s = the median over rounds, spread = max - min, peak = the largest."""
+    turns, rows = {b: [] for b in backends}, {}
+    for r in range(rounds):
+        for backend in rotated([b for b in backends if b not in rows], r):
+            row = _turn_in_process(backend, shape, layers, steps)
+            if row.error:
+                rows[backend] = row  # a backend that cannot run the shape keeps its error, no more turns
+            else:
+                turns[backend].append(row)
+    for backend, done in turns.items():
+        if backend not in rows:
+            mid, lo, hi = median_spread([t.tokens_per_s for t in done])
+            rows[backend] = Row("train", shape, backend, mid, max(t.peak_gib for t in done), spread=hi - lo)
+    return [rows[b] for b in backends]
+
+
 def _out_of_memory(rows: list[Row]) -> bool:
     return any("OutOfMemoryError" in r.error for r in rows)
 
@@ -183,6 +227,8 @@ def run(args) -> None:
         raise SystemExit(f"unknown --rows {sorted(unknown)}; choose from {list(TRAIN_SHAPES)}")
     if args.rounds < 1 or args.steps < 1:
         raise SystemExit("--rounds and --steps must be >= 1")
+    if args.processes and args.one_at_a_time:
+        raise SystemExit("--processes and --one-at-a-time are exclusive: each process holds one model")
     jobs = [("train", shape) for shape in shapes]
     if not args.skip_generate:
         jobs.append(("generate-dynamic", GEN_SHAPE))
@@ -191,6 +237,10 @@ def run(args) -> None:
         bar.set_postfix_str(f"{task} {shape}")
         if task == "train":
             eligible = [b for b in backends if not (b == "eager" and TRAIN_SHAPES[shape][2] > EAGER_MAX_TOKENS_PER_ROW)]
+            if args.processes:
+                rows += measure_train_processes(eligible, shape, args.layers, args.rounds, args.steps)
+                write_csv(rows, args.out, "e2e.csv")
+                continue
             case_rows = measure_train(eligible, shape, args.layers, args.rounds, args.steps,
                                       resident=not args.one_at_a_time)
             if not args.one_at_a_time and _out_of_memory(case_rows):
