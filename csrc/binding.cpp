@@ -430,11 +430,15 @@ class FwdFunction : public torch::autograd::Function<FwdFunction> {
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["deterministic"] = deterministic;
     ctx->mark_non_differentiable({lse});
+    // The LSE never has a gradient and out's may be absent: without this, autograd would allocate and fill a
+    // zero LSE gradient every backward (a launch a layer in a host-bound training step).
+    ctx->set_materialize_grads(false);
     return {out, lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hf_flash::bwd", "").typed<decltype(bwd_cuda)>();
+    if (!grads[0].defined()) return variable_list(18);  // out unused: every gradient is zero
     const auto s = ctx->get_saved_variables();
     const auto optional = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
     const auto& d = ctx->saved_data;
