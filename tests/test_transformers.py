@@ -216,6 +216,26 @@ def test_batch_of_one_decided_once_per_forward(packed, kernel_calls, monkeypatch
     assert calls["is_packed"] == 2
 
 
+def test_batch_of_several_never_checked_for_packing(kernel_calls, monkeypatch):
+    """A batch of several rows with position_ids (the model makes them when the caller gives none) is never checked
+    for packing: transformers 5.17's check launches its tensor ops in every layer before looking at the batch
+    size. The result still matches eager."""
+    from transformers import modeling_flash_attention_utils as mfau
+
+    checked = []
+    original = mfau._is_packed_sequence
+    monkeypatch.setattr(mfau, "_is_packed_sequence",
+                        lambda position_ids, *a, **kw: checked.append(position_ids) or original(position_ids, *a, **kw))
+    ids, targets = data()
+    valid = torch.ones_like(ids, dtype=bool)
+    position_ids = torch.arange(ids.shape[1])[None].expand_as(ids)
+    ours = logits_and_grads(build("llama", "hf_flash"), targets, valid, input_ids=ids, position_ids=position_ids)
+    assert kernel_calls == {"fwd": LAYERS, "bwd": LAYERS} and ids.shape[0] > 1
+    assert all(p is None for p in checked), "position_ids reached the wrapper's packing check"
+    ref = logits_and_grads(build("llama", "eager"), targets, valid, input_ids=ids, position_ids=position_ids)
+    assert_same(ours, ref, "llama batch of several with position_ids vs eager")
+
+
 def test_padded_batch_unpadded_once_per_forward(kernel_calls, monkeypatch):
     """A padded batch: the wrapper's unpadding data (two host syncs) is worked out once per forward, not in every
     layer, the result still matches eager, an in-place edit of the mask recomputes, and other backends' calls
