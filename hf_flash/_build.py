@@ -53,7 +53,18 @@ OK_FILE = "ok"  # written after a build succeeded; a directory without it is nev
 
 
 class BuildError(RuntimeError):
-    pass
+    """A failed build; ``log`` is its compiler output's file, when one was written."""
+
+    def __init__(self, message: str, log: Optional[Path] = None):
+        super().__init__(message)
+        self.log = log
+
+
+def compiler_errors(text: str, limit: int = 20) -> list[str]:
+    """The lines of a build's output that say what failed (nvcc / gcc ``error``, ninja's ``FAILED:``), in order."""
+    lines = [line.strip() for line in text.splitlines()
+             if "error" in line or line.startswith("FAILED:")]
+    return lines[:limit]
 
 
 def csrc_dir() -> Path:
@@ -267,7 +278,8 @@ def build(spec: Spec, archs: Sequence[str]) -> Path:
                                with_cuda=True, is_python_module=False, verbose=False)
         except Exception as e:  # ninja's output is in the message
             (directory / "build.log").write_text(str(e))
-            raise BuildError(f"CUDA extension build failed ({type(e).__name__}); log: {directory / 'build.log'}") from e
+            raise BuildError(f"CUDA extension build failed ({type(e).__name__}); log: {directory / 'build.log'}",
+                             directory / "build.log") from e
         finally:
             if saved is None:
                 os.environ.pop("MAX_JOBS", None)
@@ -346,6 +358,8 @@ def build_main(argv: Sequence[str] = ()) -> int:
         library = build(spec, archs)
     except BuildError as e:
         print(f"hf_flash build: {e}", file=sys.stderr)
+        if e.log is not None and e.log.is_file():  # what failed, so a remote build's caller sees it
+            print("\n".join(compiler_errors(e.log.read_text(errors="replace"))), file=sys.stderr)
         return 1
     slowest = _ninja_times(library.parent)[:5]
     if slowest:

@@ -271,3 +271,23 @@ def test_build_command_without_gpu_or_arch_list(machine, monkeypatch, capsys):
     monkeypatch.setattr(torch.version, "cuda", None)
     assert _build.build_main([]) == 1
     assert "CPU build" in capsys.readouterr().err
+
+
+def test_failed_build_prints_the_compiler_errors(machine, monkeypatch, capsys):
+    """`python -m hf_flash build` whose compile fails names the log and prints the lines that say what failed (a
+    build on a remote machine is often all its caller sees), not the rest of ninja's output."""
+    def failing_load(*args, **kwargs):
+        raise RuntimeError("Error building extension 'hf_flash':\n[1/3] nvcc -c a.cu -o a.cuda.o\n"
+                           "FAILED: fwd_sm90_hdim256_bf16.cuda.o\n"
+                           "csrc/sm90/wgmma.cuh(136): error: static assertion failed with \"instantiated widths\"\n"
+                           "          detected during instantiation of a template\n"
+                           "1 error detected in the compilation of \"fwd_sm90_hdim256_bf16.cu\".\nninja: build stopped\n")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", failing_load)
+    monkeypatch.setattr(_build, "toolkit_problem", lambda *a: None)
+    monkeypatch.setenv("HF_FLASH_CUDA_ARCHS", "90a")
+    assert _build.build_main([]) == 1
+    err = capsys.readouterr().err
+    assert "CUDA extension build failed" in err and "build.log" in err
+    assert "FAILED: fwd_sm90_hdim256_bf16.cuda.o" in err and 'error: static assertion failed' in err
+    assert "1 error detected" in err and "detected during instantiation" not in err and "[1/3]" not in err

@@ -47,6 +47,8 @@ for v in $VARIANTS; do
   (cd ".wt/$v" && MAX_JOBS=6 build > "$OUT/build_$v.log" 2>&1; echo "$v rc=$?" > "$OUT/$v.rc") &
 done
 wait; stamp "built: $(cat "$OUT"/*.rc | tr '\n' ' ')"
+# A build that failed is not timed (its processes would run the reference path) nor tested (its GPU tests skip).
+if grep -qv "rc=0" "$OUT"/*.rc; then tail -n 25 "$OUT"/build_*.log; exit 1; fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then  # SKIP_TESTS=1 when the GPU suite runs elsewhere in the same session
   PYTHONPATH=$ROOT timeout 240 python3 -m pytest -q -x -p no:cacheprovider --tb=short -m gpu $TESTS \
     > "$OUT/tests.log" 2>&1; rc=$?; stamp "tests rc=$rc: $(tail -1 "$OUT/tests.log")"
