@@ -404,6 +404,7 @@ using torch::autograd::variable_list;
 // in the backward (so torch.compile traces both as ops). The LSE is an output without a gradient.
 class FwdFunction : public torch::autograd::Function<FwdFunction> {
  public:
+  static constexpr size_t kInputs = 18;  // forward's arguments: backward returns one gradient (or none) each
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const c10::optional<at::Tensor>& cu_seqlens_q,
                                const c10::optional<at::Tensor>& cu_seqlens_k, int64_t max_seqlen_q,
@@ -438,7 +439,7 @@ class FwdFunction : public torch::autograd::Function<FwdFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hf_flash::bwd", "").typed<decltype(bwd_cuda)>();
-    if (!grads[0].defined()) return variable_list(18);  // out unused: every gradient is zero
+    if (!grads[0].defined()) return variable_list(kInputs);  // out unused: every gradient is zero
     const auto s = ctx->get_saved_variables();
     const auto optional = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
     const auto& d = ctx->saved_data;
@@ -455,7 +456,7 @@ class FwdFunction : public torch::autograd::Function<FwdFunction> {
                                               optional(s[8]), d.at("deterministic").toBool(),
                                               dsinks_needed ? optional(s[9]) : c10::nullopt, optional(s[10]));
     // The LSE includes the sinks, so dq, dk, dv need nothing more; d sinks comes from the op when asked for.
-    variable_list result(18);  // one entry per forward argument; q, k, v, the sinks and rel_bias get gradients
+    variable_list result(kInputs);  // q, k, v, the sinks and rel_bias get gradients
     result[0] = dq; result[1] = dk; result[2] = dv;
     if (dsinks_needed) result[16] = dsinks.to(s[9].scalar_type());
     if (drel_needed) result[17] = drel.to(s[10].scalar_type());

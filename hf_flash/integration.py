@@ -81,13 +81,14 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
         return _attend_with_rel_bias(module, query, key, value, attention_mask, is_causal, rel_bias, kwargs), None
     from transformers.integrations.flash_attention import flash_attention_forward
 
-    if kwargs.get("position_ids") is not None and query.shape[0] > 1:
-        # Only a batch of one can be packed; transformers 5.17's check computes its tensors first (six launches a
-        # layer) and looks at the batch size after.
-        kwargs = {**kwargs, "position_ids": None}
-    elif attention_mask is None and kwargs.get("position_ids") is not None \
-            and kwargs.get("cu_seq_lens_q") is None and not _capturing(query):
-        kwargs = {**kwargs, **_packing(kwargs["position_ids"])}
+    if kwargs.get("position_ids") is not None:
+        if query.shape[0] > 1:
+            # Only a batch of one can be packed; transformers 5.17's check computes its tensors first (six launches
+            # a layer) and looks at the batch size after.
+            kwargs = {**kwargs, "position_ids": None}
+        elif query.shape[0] == 1 and attention_mask is None and kwargs.get("cu_seq_lens_q") is None \
+                and not _capturing(query):
+            kwargs = {**kwargs, **_packing(kwargs["position_ids"])}
     token = _IN_WRAPPER.set(True)  # our call: the wrapper's unpadding data may come from the mask's cache
     try:
         return flash_attention_forward(module, query, key, value, attention_mask, **kwargs)

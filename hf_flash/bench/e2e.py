@@ -238,14 +238,13 @@ def run(args) -> None:
         if task == "train":
             eligible = [b for b in backends if not (b == "eager" and TRAIN_SHAPES[shape][2] > EAGER_MAX_TOKENS_PER_ROW)]
             if args.processes:
-                rows += measure_train_processes(eligible, shape, args.layers, args.rounds, args.steps)
-                write_csv(rows, args.out, "e2e.csv")
-                continue
-            case_rows = measure_train(eligible, shape, args.layers, args.rounds, args.steps,
-                                      resident=not args.one_at_a_time)
-            if not args.one_at_a_time and _out_of_memory(case_rows):
-                print(f"{shape}: out of memory with every model resident; one model at a time")
-                case_rows = measure_train(eligible, shape, args.layers, args.rounds, args.steps, resident=False)
+                case_rows = measure_train_processes(eligible, shape, args.layers, args.rounds, args.steps)
+            else:
+                case_rows = measure_train(eligible, shape, args.layers, args.rounds, args.steps,
+                                          resident=not args.one_at_a_time)
+                if not args.one_at_a_time and _out_of_memory(case_rows):
+                    print(f"{shape}: out of memory with every model resident; one model at a time")
+                    case_rows = measure_train(eligible, shape, args.layers, args.rounds, args.steps, resident=False)
             rows += case_rows
         else:
             rows += generate.measure_interleaved([b for b in backends if b != NO_ATTENTION], shape, args.layers)
